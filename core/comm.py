@@ -1,0 +1,138 @@
+"""The single module that talks to torch.distributed.
+
+Every collective is a no-op without an initialised process group, and `agree` turns a failure on
+any rank into one error raised on every rank (no rank is left waiting in a collective).
+"""
+from __future__ import annotations
+
+import traceback
+from typing import Any, Callable, List, Optional, Sequence, Tuple, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from .errors import CheckpointError, RemoteRankError
+
+T = TypeVar("T")
+
+
+class Comm:
+    def __init__(self, group: Optional[Any] = None):
+        self.enabled = dist.is_available() and dist.is_initialized()
+        self.group = group if self.enabled else None
+        self.rank = dist.get_rank(group) if self.enabled else 0
+        self.world_size = dist.get_world_size(group) if self.enabled else 1
+        self.coordinator = 0  # group rank that plans and commits
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self.rank == self.coordinator
+
+    def _global(self, group_rank: int) -> int:
+        return dist.get_global_rank(self.group, group_rank) if self.group is not None else group_rank
+
+    # ------------------------------------------------------------ object collectives
+    def all_gather(self, obj: Any) -> List[Any]:
+        if not self.enabled or self.world_size == 1:
+            return [obj]
+        out: List[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def gather(self, obj: Any) -> Optional[List[Any]]:
+        """Objects of all ranks on the coordinator; None elsewhere."""
+        if not self.enabled or self.world_size == 1:
+            return [obj]
+        out: Optional[List[Any]] = [None] * self.world_size if self.is_coordinator else None
+        dist.gather_object(obj, out, dst=self._global(self.coordinator), group=self.group)
+        return out
+
+    def broadcast(self, obj: Any, src: Optional[int] = None) -> Any:
+        if not self.enabled or self.world_size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=self._global(self.coordinator if src is None else src), group=self.group)
+        return box[0]
+
+    def scatter(self, objs: Optional[Sequence[Any]]) -> Any:
+        """The coordinator's objs[r] arrives at rank r."""
+        if not self.enabled or self.world_size == 1:
+            return objs[0]  # type: ignore[index]
+        out: List[Any] = [None]
+        dist.scatter_object_list(out, list(objs) if self.is_coordinator else None,
+                                 src=self._global(self.coordinator), group=self.group)
+        return out[0]
+
+    def all_true(self, flag: bool) -> bool:
+        if not self.enabled or self.world_size == 1:
+            return flag
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self._device())
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(t.item())
+
+    def barrier(self) -> None:
+        if self.enabled and self.world_size > 1:
+            dist.barrier(group=self.group)
+
+    # ------------------------------------------------------------ tensor collectives
+    def broadcast_tensor(self, t: torch.Tensor, src: int) -> None:
+        if self.enabled and self.world_size > 1:
+            dist.broadcast(t, src=self._global(src), group=self.group)
+
+    def tensor_device(self) -> torch.device:
+        return self._device()
+
+    def _device(self) -> torch.device:
+        backend = dist.get_backend(self.group) if self.enabled else "gloo"
+        if backend == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    # ------------------------------------------------------------ failure agreement
+    def agree(self, error: Optional[BaseException], what: str) -> None:
+        """Raise on every rank if any rank had an error in step `what`."""
+        local = None if error is None else f"{type(error).__name__}: {error}"
+        statuses = self.all_gather(local) if self.enabled else [local]
+        failed = [(r, s) for r, s in enumerate(statuses) if s is not None]
+        if not failed:
+            return
+        if error is not None and len(failed) == 1:
+            raise error
+        detail = "; ".join(f"rank {r}: {s}" for r, s in failed[:8])
+        more = f" (and {len(failed) - 8} more ranks)" if len(failed) > 8 else ""
+        exc = RemoteRankError(f"{what} failed on {len(failed)} of {self.world_size} ranks: {detail}{more}")
+        if error is not None:
+            raise exc from error
+        raise exc
+
+    def run(self, fn: Callable[[], T], what: str) -> T:
+        """Run fn on every rank; if it fails anywhere, every rank raises."""
+        try:
+            result = fn()
+            error = None
+        except Exception as exc:  # noqa: BLE001 - re-raised on every rank by agree()
+            result, error = None, exc
+        self.agree(error, what)
+        return result  # type: ignore[return-value]
+
+    def run_on_coordinator(self, fn: Callable[[], T], what: str) -> T:
+        """fn runs on the coordinator; its result (or its error) reaches every rank."""
+        payload: Tuple[bool, Any] = (True, None)
+        if self.is_coordinator:
+            try:
+                payload = (True, fn())
+            except Exception as exc:  # noqa: BLE001 - shipped to every rank below
+                payload = (False, exc if _picklable(exc) else CheckpointError(f"{type(exc).__name__}: {exc}"))
+        ok, value = self.broadcast(payload)
+        if not ok:
+            raise value
+        return value
+
+
+def _picklable(exc: BaseException) -> bool:
+    import pickle
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return True
+    except Exception:  # noqa: BLE001 - any failure means "send a plain copy instead"
+        return False

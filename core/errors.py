@@ -1,0 +1,41 @@
+"""Error types. Every message names the key/path involved and the fix."""
+
+
+class CheckpointError(RuntimeError):
+    """Base class for every error bytecheckpoint raises on purpose."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """The path does not exist or holds no checkpoint at all."""
+
+
+class IncompleteCheckpointError(CheckpointError):
+    """The path holds data but no commit metadata: a save that never finished."""
+
+
+class CheckpointExistsError(CheckpointError, FileExistsError):
+    """Saving onto a committed checkpoint without overwrite=True."""
+
+
+class FormatVersionError(CheckpointError):
+    """The checkpoint was written by a newer format version."""
+
+
+class MetadataError(CheckpointError):
+    """The metadata file is damaged, malformed or unsafe."""
+
+
+class StateMismatchError(CheckpointError, ValueError):
+    """Shapes, dtypes or keys of the target state disagree with the checkpoint."""
+
+
+class ShardLayoutError(CheckpointError, ValueError):
+    """Shards passed to save overlap or do not cover their global tensor."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """Stored bytes fail their checksum."""
+
+
+class RemoteRankError(CheckpointError):
+    """Raised on every rank when one or more ranks failed a collective step."""

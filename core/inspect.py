@@ -1,0 +1,130 @@
+"""inspect(), verify(), is_checkpoint(), delete(): looking at and removing checkpoints."""
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Mapping, Optional
+
+from .errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError
+from .metadata import METADATA_FILE, Metadata
+from .regions import find_layout_problem
+from .storage import Store
+from .storage.store import raise_read_error
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: str
+    shape: tuple
+    layout: str          # replicated | sharded | flat (how it was held at save time)
+    holders: int         # ranks that held part of it
+    shards: int          # saved regions
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    path: str
+    complete: bool
+    world_size: int = 0
+    save_id: str = ""
+    format_version: int = 0
+    tensors: List[TensorInfo] = field(default_factory=list)
+    objects: Dict[int, int] = field(default_factory=dict)   # rank -> bytes of plain values
+    info: Mapping[str, Any] = field(default_factory=dict)
+    problem: str = ""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"path": self.path, "complete": self.complete, "world_size": self.world_size,
+                "save_id": self.save_id, "format_version": self.format_version, "nbytes": self.nbytes,
+                "tensors": [t.__dict__ | {"shape": list(t.shape)} for t in self.tensors],
+                "objects": self.objects, "info": dict(self.info), "problem": self.problem}
+
+
+def inspect(path, storage_options: Optional[Mapping[str, Any]] = None) -> CheckpointInfo:
+    """What a checkpoint holds, from its metadata alone. An incomplete one is reported, not raised."""
+    from .load import read_metadata
+    store = Store(path, storage_options)
+    try:
+        md = read_metadata(store)
+    except IncompleteCheckpointError as exc:
+        return CheckpointInfo(str(path), complete=False, problem=str(exc))
+    tensors = [TensorInfo(t.key, t.dtype, tuple(t.shape), t.layout, t.holders, len(t.regions), t.nbytes)
+               for t in md.tensors.values()]
+    return CheckpointInfo(str(path), True, md.world_size, md.save_id, md.version, tensors,
+                          {o.rank: o.nbytes for o in md.objects}, md.info)
+
+
+@dataclass
+class VerifyReport:
+    path: str
+    ok: bool
+    checked_bytes: int = 0
+    problems: List[str] = field(default_factory=list)
+
+
+def verify(path, storage_options: Optional[Mapping[str, Any]] = None,
+           progress: Optional[Callable[[int, int], None]] = None) -> VerifyReport:
+    """Read every stored byte and check every checksum and the metadata's coverage."""
+    from .load import read_metadata
+    store = Store(path, storage_options)
+    report = VerifyReport(str(path), ok=True)
+    try:
+        md = read_metadata(store)
+    except CheckpointError as exc:
+        report.ok = False
+        report.problems.append(str(exc))
+        return report
+    total = sum(t.nbytes for t in md.tensors.values())
+    done = 0
+    for t in md.tensors.values():
+        problem = find_layout_problem(t.shape, [(r.offsets, r.lengths) for r in t.regions])
+        if problem is not None:
+            report.problems.append(f"tensor {t.key!r}: {problem[0]}")
+        for r in t.regions:
+            index = tuple(slice(o, o + n) for o, n in zip(r.array_offsets, r.lengths))
+            try:
+                store.read_region(md.arrays[r.array], index).result()
+            except Exception as exc:  # noqa: BLE001 - every failure becomes a reported problem
+                try:
+                    raise_read_error(exc, f"tensor {t.key!r} region {list(r.offsets)}")
+                except CheckpointError as err:
+                    report.problems.append(str(err))
+            done += math.prod(r.lengths) * (t.nbytes // max(1, math.prod(t.shape)))
+            report.checked_bytes = done
+            if progress:
+                progress(done, total)
+    for o in md.objects:
+        raw = store.read_bytes(o.path)
+        if raw is None:
+            report.problems.append(f"{o.path}: missing")
+        elif zlib.crc32(raw) != o.crc32 or len(raw) != o.nbytes:
+            report.problems.append(f"{o.path}: crc32 mismatch")
+    report.ok = not report.problems
+    return report
+
+
+def is_checkpoint(path, storage_options: Optional[Mapping[str, Any]] = None) -> bool:
+    """True only for a committed checkpoint (its metadata file exists and parses)."""
+    from .load import read_metadata
+    try:
+        read_metadata(Store(path, storage_options))
+        return True
+    except CheckpointError:
+        return False
+
+
+def delete(path, storage_options: Optional[Mapping[str, Any]] = None) -> None:
+    """Remove a checkpoint: the commit point first, so a half-deleted one never looks valid."""
+    from .save import wait_pending
+    store = Store(path, storage_options)
+    if store.read_bytes(METADATA_FILE) is None and not store.exists_any():
+        raise CheckpointNotFoundError(f"{store.url!r}: nothing to delete")
+    store.delete(METADATA_FILE)
+    store.remove_root()

@@ -1,0 +1,269 @@
+"""load() in place, and load_full() without a template.
+
+Metadata is read once (coordinator) and broadcast; each rank plans its reads from metadata
+alone, reads only the sub-boxes it needs with many reads in flight, and copies each result into
+its target as soon as it arrives. Bytes that several ranks need are read once and shared
+(see zero_redundancy.py).
+"""
+from __future__ import annotations
+
+import zlib
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+from . import codec
+from .comm import Comm
+from .errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError,
+                     StateMismatchError)
+from .flatten import Flat, build_from_structure, find_subtree, flatten_for_load, join, structure_leaves
+from .metadata import METADATA_FILE, Metadata, TensorMeta
+from .planner import ReadItem, TargetSpec, check_targets, plan_load
+from .regions import volume
+from .save import DATA_PREFIX, dtype_name
+from .storage import Store, from_numpy
+from .storage.store import raise_read_error
+
+_TORCH_DTYPES = {name: getattr(torch, name) for name in
+                 ("bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64", "float16",
+                  "bfloat16", "float32", "float64", "complex64", "complex128", "float8_e4m3fn", "float8_e5m2",
+                  "float8_e4m3fnuz", "float8_e5m2fnuz") if hasattr(torch, name)}
+
+
+class LoadStats:
+    """Bytes this rank read from storage and received from peers during the last load."""
+
+    def __init__(self) -> None:
+        self.bytes_read = 0
+        self.bytes_received = 0
+        self.reads = 0
+
+    def __repr__(self) -> str:
+        return f"LoadStats(bytes_read={self.bytes_read}, bytes_received={self.bytes_received}, reads={self.reads})"
+
+
+last_load_stats = LoadStats()
+
+
+def read_metadata(store: Store) -> Metadata:
+    raw = store.read_bytes(METADATA_FILE)
+    if raw is None:
+        if any(k.startswith(DATA_PREFIX) for k in store.list()) if store.exists_any() else False:
+            raise IncompleteCheckpointError(
+                f"{store.url!r} holds checkpoint data but no {METADATA_FILE}: the save that wrote it did not "
+                f"finish (it crashed, or is still running). It is not loaded; use an earlier checkpoint")
+        raise CheckpointNotFoundError(
+            f"{store.url!r} is not a bytecheckpoint checkpoint (no {METADATA_FILE}); check the path")
+    return Metadata.from_json(raw, f"{store.url.rstrip('/')}/{METADATA_FILE}")
+
+
+def _metadata(comm: Comm, store: Store) -> Metadata:
+    return comm.run_on_coordinator(lambda: read_metadata(store), "reading checkpoint metadata")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return _TORCH_DTYPES[name]
+
+
+# ------------------------------------------------------------------ reading tensors
+
+def execute_reads(store: Store, md: Metadata, reads: Sequence[ReadItem],
+                  dest: Sequence[torch.Tensor], stats: LoadStats) -> None:
+    """Issue every read at once (tensorstore pipelines them), copy each into dest[i] as it lands."""
+    futures = []
+    for r in reads:
+        index = tuple(slice(o, o + n) for o, n in zip(*r.array_box))
+        futures.append(store.read_region(md.arrays[r.array], index))
+    for r, fut, out in zip(reads, futures, dest):
+        try:
+            arr = fut.result()
+        except Exception as exc:  # noqa: BLE001 - classify: checksum vs other I/O
+            raise_read_error(exc, f"tensor {r.key!r} ({r.array})")
+        t = from_numpy(arr, out.dtype)
+        out.copy_(t.reshape(out.shape))
+        stats.bytes_read += t.numel() * t.element_size()
+        stats.reads += 1
+
+
+def target_view(piece: torch.Tensor, box) -> torch.Tensor:
+    offs, lens = box
+    if not lens:
+        return piece
+    return piece[tuple(slice(o, o + n) for o, n in zip(offs, lens))]
+
+
+def read_full_tensors(store: Store, md: Metadata, keys: Sequence[str]) -> Dict[str, torch.Tensor]:
+    out: Dict[str, torch.Tensor] = {}
+    reads: List[ReadItem] = []
+    dest: List[torch.Tensor] = []
+    targets = []
+    for key in keys:
+        meta = md.tensors[key]
+        t = torch.empty(meta.shape, dtype=torch_dtype(meta.dtype))
+        out[key] = t
+        targets.append(TargetSpec(key, meta.dtype, meta.shape, (((0,) * len(meta.shape), meta.shape),)))
+    for r in plan_load(md.tensors, targets):
+        reads.append(r)
+        dest.append(target_view(out[r.key], r.target_box))
+    execute_reads(store, md, reads, dest, LoadStats())
+    return out
+
+
+def read_objects(store: Store, md: Metadata, rank: int, allow_pickle: bool) -> Dict[str, Any]:
+    """Plain values saved by `rank` (or rank 0's when the checkpoint had fewer ranks)."""
+    src = rank if rank < md.world_size else 0
+    meta = next((o for o in md.objects if o.rank == src), None)
+    if meta is None:
+        return {}
+    raw = store.read_bytes(meta.path)
+    if raw is None:
+        raise CorruptCheckpointError(f"{store.url!r}: {meta.path} is missing; the checkpoint is damaged")
+    if zlib.crc32(raw) != meta.crc32 or len(raw) != meta.nbytes:
+        raise CorruptCheckpointError(f"{store.url!r}: {meta.path} fails its crc32 checksum; the checkpoint is "
+                                     f"damaged")
+    return {k: codec.decode(v, allow_pickle, k) for k, v in codec.loads_raw(raw).items()}
+
+
+# ------------------------------------------------------------------ load
+
+def _check_keys(flat: Flat, md: Metadata, strict: bool) -> Tuple[List[str], List[str]]:
+    saved = structure_leaves(md.structure)
+    for key in md.tensors:
+        saved.setdefault(key, "tensor")
+    wanted = set(flat.tensors) | set(flat.setters)
+    # a plain value in the target may stand for a whole saved container of values
+    for k in [k for k in flat.setters if k not in saved and find_subtree(md.structure, k) is not None]:
+        wanted.discard(k)
+        prefixes_extra = k + "/"
+        saved = {s: kind for s, kind in saved.items() if not s.startswith(prefixes_extra)}
+    missing = sorted(k for k in wanted if k not in saved)
+    prefixes = tuple(p + "/" for p in flat.subtrees)
+    unexpected = sorted(k for k in saved if k not in wanted and k not in flat.subtrees
+                        and not (prefixes and k.startswith(prefixes)))
+    missing_sub = sorted(p for p in flat.subtrees if find_subtree(md.structure, p) is None)
+    missing += missing_sub
+    if strict and (missing or unexpected):
+        parts = []
+        if missing:
+            parts.append(f"missing from the checkpoint: {_list(missing)}")
+        if unexpected:
+            parts.append(f"in the checkpoint but not in the state: {_list(unexpected)}")
+        raise StateMismatchError("keys do not match (strict=True): " + "; ".join(parts) +
+                                 ". Pass strict=False to load the keys both have")
+    for k in flat.tensors:
+        if k in saved and saved[k] != "tensor":
+            raise StateMismatchError(f"key {k!r}: the state has a tensor but the checkpoint stored a plain value")
+    return missing, unexpected
+
+
+def _list(keys: List[str], n: int = 20) -> str:
+    return ", ".join(repr(k) for k in keys[:n]) + (f" (and {len(keys) - n} more)" if len(keys) > n else "")
+
+
+def load(path, state: Dict[str, Any], *, process_group=None, strict: bool = True,
+         storage_options: Optional[Mapping[str, Any]] = None, allow_pickle: bool = False) -> Dict[str, Any]:
+    """Load a checkpoint into `state` in place (collective); returns `state`."""
+    from .zero_redundancy import shared_reads  # local import: optional fast path
+
+    comm = Comm(process_group)
+    store = Store(path, storage_options)
+    md = _metadata(comm, store)
+    stats = LoadStats()
+
+    def prepare():
+        flat = flatten_for_load(state)
+        missing, _ = _check_keys(flat, md, strict)
+        targets = []
+        for e in flat.tensors.values():
+            if e.key in md.tensors:
+                targets.append(TargetSpec(e.key, dtype_name(e.dtype), e.shape,
+                                          tuple((p.offsets, p.lengths) for p in e.pieces)))
+        check_targets(md.tensors, targets)
+        return flat, missing, plan_load(md.tensors, targets)
+
+    flat, missing, reads = comm.run(prepare, f"planning the load of {store.url!r}")
+
+    def dest_of(r: ReadItem) -> torch.Tensor:
+        return target_view(flat.tensors[r.key].pieces[r.piece].tensor, r.target_box)
+
+    def read_all():
+        local = shared_reads(comm, store, md, reads, dest_of, stats)
+        execute_reads(store, md, local, [_cpu_dest(dest_of(r)) for r in local], stats)
+        _flush_cuda_dests()
+        if flat.setters or flat.subtrees:
+            objects = read_objects(store, md, comm.rank, allow_pickle)
+            for key, assign in flat.setters.items():
+                if key in objects:
+                    assign(objects[key])
+                else:  # saved as a nested container where the target holds a plain value
+                    node = find_subtree(md.structure, key)
+                    if node is not None:
+                        flat.subtrees.setdefault(key, assign)
+            for prefix, consume in flat.subtrees.items():
+                node = find_subtree(md.structure, prefix)
+                if node is None:
+                    continue
+                keys = [k for k, kind in structure_leaves(node).items() if kind == "tensor"]
+                tensors = read_full_tensors(store, md, keys)
+                consume(build_from_structure(node, tensors, objects))
+        for fin in flat.finalizers:
+            fin()
+
+    comm.run(read_all, f"loading {store.url!r}")
+    last_load_stats.__dict__.update(stats.__dict__)
+    return state
+
+
+_PENDING_CUDA: List[Tuple[torch.Tensor, torch.Tensor]] = []
+
+
+def _cpu_dest(t: torch.Tensor) -> torch.Tensor:
+    """Reads land in CPU memory; CUDA targets get a staging buffer copied after the reads."""
+    if not t.is_cuda:
+        return t
+    buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    _PENDING_CUDA.append((t, buf))
+    return buf
+
+
+def _flush_cuda_dests() -> None:
+    while _PENDING_CUDA:
+        t, buf = _PENDING_CUDA.pop()
+        t.copy_(buf, non_blocking=True)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def load_full(path, *, keys: Optional[Sequence[str]] = None, process_group=None,
+              storage_options: Optional[Mapping[str, Any]] = None, allow_pickle: bool = False) -> Dict[str, Any]:
+    """The saved state as nested dicts/lists with full CPU tensors and plain values (no template).
+
+    `keys` limits it to some top-level keys. Every rank reads what it returns.
+    """
+    comm = Comm(process_group)
+    store = Store(path, storage_options)
+    md = _metadata(comm, store)
+
+    def read() -> Dict[str, Any]:
+        root = md.structure
+        if keys is not None:
+            nodes = {}
+            for k in keys:
+                node = find_subtree(root, str(k))
+                if node is None:
+                    top = sorted(structure_leaves(root))
+                    raise StateMismatchError(f"key {k!r} is not in the checkpoint; top-level keys: "
+                                             f"{_list(sorted({t.split('/')[0] for t in top}))}")
+                nodes[k] = node
+        else:
+            nodes = None
+        wanted = structure_leaves(root) if nodes is None else {
+            k: v for n in nodes.values() for k, v in structure_leaves(n).items()}
+        tensors = read_full_tensors(store, md, [k for k, kind in wanted.items() if kind == "tensor"])
+        objects = read_objects(store, md, comm.rank, allow_pickle) if any(
+            kind == "object" for kind in wanted.values()) else {}
+        if nodes is None:
+            return build_from_structure(root, tensors, objects)
+        return {k: build_from_structure(n, tensors, objects) for k, n in nodes.items()}
+
+    return comm.run(read, f"reading {store.url!r}")

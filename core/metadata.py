@@ -1,0 +1,227 @@
+"""The on-disk contract: frozen dataclasses for the global metadata file, JSON with a version.
+
+Parsing validates everything it reads (types, ranges, relative paths) so that a damaged or
+hostile metadata file gives a MetadataError instead of reading outside the checkpoint or
+allocating without bound.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+import zlib
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+from .errors import FormatVersionError, MetadataError
+
+FORMAT_NAME = "bytecheckpoint"
+FORMAT_VERSION = 1
+METADATA_FILE = "metadata.json"
+MAX_NDIM = 32
+MAX_ELEMENTS = 1 << 50  # far above any real tensor; rejects absurd shapes before allocation
+
+# torch dtype name <-> zarr v3 / tensorstore data_type name.
+DTYPES = {
+    "bool": "bool", "uint8": "uint8", "int8": "int8", "int16": "int16", "int32": "int32",
+    "int64": "int64", "uint16": "uint16", "uint32": "uint32", "uint64": "uint64",
+    "float16": "float16", "bfloat16": "bfloat16", "float32": "float32", "float64": "float64",
+    "complex64": "complex64", "complex128": "complex128",
+    "float8_e4m3fn": "float8_e4m3fn", "float8_e5m2": "float8_e5m2",
+    "float8_e4m3fnuz": "float8_e4m3fnuz", "float8_e5m2fnuz": "float8_e5m2fnuz",
+}
+
+_SAFE_PATH = re.compile(r"^[A-Za-z0-9_.~%+=-]+(/[A-Za-z0-9_.~%+=-]+)*$")
+
+
+@dataclass(frozen=True)
+class RegionMeta:
+    """One saved box of a logical tensor and where its bytes are."""
+    offsets: Tuple[int, ...]
+    lengths: Tuple[int, ...]
+    array: str                      # zarr array path, relative to the checkpoint root
+    array_offsets: Tuple[int, ...]  # where the box starts inside that array
+    writer: int                     # rank that wrote it
+
+
+@dataclass(frozen=True)
+class ArrayMeta:
+    path: str
+    shape: Tuple[int, ...]
+    chunks: Tuple[int, ...]
+    dtype: str
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    key: str
+    dtype: str
+    shape: Tuple[int, ...]
+    layout: str                 # how it was held at save time: replicated | sharded | flat
+    holders: int                # how many ranks held part of it
+    regions: Tuple[RegionMeta, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * dtype_itemsize(self.dtype)
+
+
+@dataclass(frozen=True)
+class ObjectFileMeta:
+    """Per-rank non-tensor values (safe JSON encoding), with a checksum."""
+    rank: int
+    path: str
+    nbytes: int
+    crc32: int
+
+
+@dataclass(frozen=True)
+class Metadata:
+    version: int
+    save_id: str
+    world_size: int
+    tensors: Mapping[str, TensorMeta]
+    arrays: Mapping[str, ArrayMeta]
+    objects: Tuple[ObjectFileMeta, ...]
+    structure: Any                      # nesting of the saved state (see flatten.py)
+    info: Mapping[str, Any] = field(default_factory=dict)  # library version, time, layout notes
+
+    def to_json(self) -> bytes:
+        body = {
+            "format": FORMAT_NAME,
+            "version": self.version,
+            "save_id": self.save_id,
+            "world_size": self.world_size,
+            "tensors": {k: _tensor_to_json(t) for k, t in self.tensors.items()},
+            "arrays": {k: asdict(a) for k, a in self.arrays.items()},
+            "objects": [asdict(o) for o in self.objects],
+            "structure": self.structure,
+            "info": dict(self.info),
+        }
+        canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
+        body["checksum"] = zlib.crc32(canonical.encode())
+        return json.dumps(body, sort_keys=True, indent=1).encode()
+
+    @staticmethod
+    def from_json(raw: bytes, where: str = "metadata") -> "Metadata":
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise MetadataError(f"{where}: not valid JSON ({exc}); the file is damaged") from None
+        return _parse(body, where)
+
+
+def dtype_itemsize(dtype: str) -> int:
+    sizes = {"bool": 1, "uint8": 1, "int8": 1, "int16": 2, "uint16": 2, "float16": 2,
+             "bfloat16": 2, "int32": 4, "uint32": 4, "float32": 4, "int64": 8, "uint64": 8,
+             "float64": 8, "complex64": 8, "complex128": 16}
+    return sizes.get(dtype, 1)  # float8 variants are 1 byte
+
+
+def _tensor_to_json(t: TensorMeta) -> Dict[str, Any]:
+    return {
+        "dtype": t.dtype, "shape": list(t.shape), "layout": t.layout, "holders": t.holders,
+        "regions": [[list(r.offsets), list(r.lengths), r.array, list(r.array_offsets), r.writer]
+                    for r in t.regions],
+    }
+
+
+# ---------------------------------------------------------------- validation
+
+def _fail(where: str, msg: str) -> MetadataError:
+    return MetadataError(f"{where}: {msg}; the metadata file is damaged or not from bytecheckpoint")
+
+
+def _expect(cond: bool, where: str, msg: str) -> None:
+    if not cond:
+        raise _fail(where, msg)
+
+
+def _int(v: Any, where: str, lo: int = 0, hi: int = MAX_ELEMENTS) -> int:
+    _expect(isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi, where,
+            f"expected an integer in [{lo}, {hi}], got {v!r:.80}")
+    return v
+
+
+def _ints(v: Any, where: str, ndim: Optional[int] = None) -> Tuple[int, ...]:
+    _expect(isinstance(v, list) and len(v) <= MAX_NDIM, where, f"expected a list of integers, got {v!r:.80}")
+    if ndim is not None:
+        _expect(len(v) == ndim, where, f"expected {ndim} dimensions, got {len(v)}")
+    return tuple(_int(x, where) for x in v)
+
+
+def safe_relative_path(p: Any, where: str) -> str:
+    """Refuse absolute paths, '..', and odd characters in stored paths."""
+    _expect(isinstance(p, str) and 0 < len(p) < 1024 and _SAFE_PATH.match(p) is not None, where,
+            f"unsafe path {p!r:.80}")
+    _expect(all(part not in (".", "..") for part in p.split("/")), where, f"unsafe path {p!r:.80}")
+    return p
+
+
+def _parse(body: Any, where: str) -> Metadata:
+    _expect(isinstance(body, dict), where, "top level is not an object")
+    _expect(body.get("format") == FORMAT_NAME, where, f"format is {body.get('format')!r:.40}, not {FORMAT_NAME!r}")
+    version = _int(body.get("version"), f"{where}.version", 0, 1 << 30)
+    if version > FORMAT_VERSION:
+        raise FormatVersionError(
+            f"{where}: checkpoint format version {version} is newer than this bytecheckpoint "
+            f"understands ({FORMAT_VERSION}); upgrade bytecheckpoint to load it")
+    checksum = body.pop("checksum", None)
+    if checksum is not None:
+        canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
+        _expect(zlib.crc32(canonical.encode()) == checksum, where, "metadata checksum mismatch")
+    save_id = body.get("save_id")
+    _expect(isinstance(save_id, str) and re.fullmatch(r"[A-Za-z0-9_-]{1,64}", save_id or "") is not None,
+            where, "bad save_id")
+    world = _int(body.get("world_size"), f"{where}.world_size", 1, 1 << 24)
+
+    arrays_raw = body.get("arrays")
+    _expect(isinstance(arrays_raw, dict), where, "arrays is not an object")
+    arrays: Dict[str, ArrayMeta] = {}
+    for path, a in arrays_raw.items():
+        w = f"{where}.arrays[{path!r:.60}]"
+        safe_relative_path(path, w)
+        _expect(isinstance(a, dict) and a.get("path") == path, w, "array entry malformed")
+        _expect(a.get("dtype") in DTYPES, w, f"unknown dtype {a.get('dtype')!r:.40}")
+        shape = _ints(a.get("shape"), w)
+        chunks = _ints(a.get("chunks"), w, len(shape))
+        _expect(math.prod(shape) <= MAX_ELEMENTS and all(c >= 1 for c in chunks), w, "absurd shape or chunks")
+        arrays[path] = ArrayMeta(path, shape, chunks, a["dtype"])
+
+    tensors_raw = body.get("tensors")
+    _expect(isinstance(tensors_raw, dict), where, "tensors is not an object")
+    tensors: Dict[str, TensorMeta] = {}
+    for key, t in tensors_raw.items():
+        w = f"{where}.tensors[{key!r:.60}]"
+        _expect(isinstance(t, dict), w, "entry is not an object")
+        _expect(t.get("dtype") in DTYPES, w, f"unknown dtype {t.get('dtype')!r:.40}")
+        shape = _ints(t.get("shape"), w)
+        _expect(math.prod(shape) <= MAX_ELEMENTS, w, "absurd shape")
+        _expect(t.get("layout") in ("replicated", "sharded", "flat"), w, "bad layout")
+        regions_raw = t.get("regions")
+        _expect(isinstance(regions_raw, list), w, "regions is not a list")
+        regions = []
+        for r in regions_raw:
+            _expect(isinstance(r, list) and len(r) == 5, w, "region malformed")
+            offs, lens = _ints(r[0], w, len(shape)), _ints(r[1], w, len(shape))
+            _expect(all(o + l <= s for o, l, s in zip(offs, lens, shape)), w, "region outside the tensor")
+            arr = arrays.get(r[2]) if isinstance(r[2], str) else None
+            _expect(arr is not None, w, f"region names unknown array {r[2]!r:.60}")
+            aoffs = _ints(r[3], w, len(arr.shape))
+            _expect(len(arr.shape) == len(shape) and arr.dtype == t["dtype"] and
+                    all(o + l <= s for o, l, s in zip(aoffs, lens, arr.shape)), w, "region outside its array")
+            regions.append(RegionMeta(offs, lens, r[2], aoffs, _int(r[4], w, 0, world - 1)))
+        tensors[key] = TensorMeta(key, t["dtype"], shape, t["layout"],
+                                  _int(t.get("holders"), w, 0, world), tuple(regions))
+
+    objects_raw = body.get("objects")
+    _expect(isinstance(objects_raw, list), where, "objects is not a list")
+    objects = []
+    for o in objects_raw:
+        w = f"{where}.objects"
+        _expect(isinstance(o, dict), w, "entry is not an object")
+        objects.append(ObjectFileMeta(_int(o.get("rank"), w, 0, world - 1), safe_relative_path(o.get("path"), w),
+                                      _int(o.get("nbytes"), w, 0, 1 << 40), _int(o.get("crc32"), w, 0, (1 << 32) - 1)))
+    info = body.get("info", {})
+    _expect(isinstance(info, dict), where, "info is not an object")
+    return Metadata(version, save_id, world, tensors, arrays, tuple(objects), body.get("structure"), info)

@@ -1,0 +1,103 @@
+"""Reusable staging buffers for async save (ping-pong pool).
+
+Save N copies the bytes it will write into slot N % slots and returns; the background writer
+releases the slot when its writes are done. Buffers are kept per (key, box) and reused by the
+next save with the same layout, so steady-state saves allocate nothing. With CUDA, buffers are
+pinned and device->host copies run non-blocking on a side stream.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Dict, Iterable, List, Optional, Tuple
+
+import torch
+
+from .config import TUNABLES
+
+BufferKey = Tuple[str, Tuple[int, ...], Tuple[int, ...], torch.dtype]
+
+
+class Slot:
+    def __init__(self, index: int):
+        self.index = index
+        self.buffers: Dict[BufferKey, torch.Tensor] = {}
+        self.busy = False
+
+
+class StagingPool:
+    def __init__(self, slots: int = TUNABLES.staging_slots):
+        self._slots = [Slot(i) for i in range(max(1, slots))]
+        self._next = 0
+        self._cond = threading.Condition()
+        self._stream = None
+
+    def acquire(self) -> Slot:
+        """The next slot in turn; waits while an earlier save still writes from it."""
+        with self._cond:
+            slot = self._slots[self._next % len(self._slots)]
+            self._next += 1
+            while slot.busy:
+                self._cond.wait()
+            slot.busy = True
+            return slot
+
+    def release(self, slot: Slot) -> None:
+        with self._cond:
+            slot.busy = False
+            self._cond.notify_all()
+
+    def stage(self, slot: Slot, items: Iterable[Tuple[BufferKey, torch.Tensor]]) -> List[torch.Tensor]:
+        """Copy each source into the slot's buffer for its key; returns the CPU buffers, in order."""
+        out: List[torch.Tensor] = []
+        live = set()
+        cuda_sources = False
+        for key, src in items:
+            buf = slot.buffers.get(key)
+            if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
+                buf = _new_buffer(src)
+                slot.buffers[key] = buf
+            live.add(key)
+            if src.is_cuda:
+                cuda_sources = True
+                with torch.cuda.stream(self._side_stream()):
+                    buf.copy_(src, non_blocking=True)
+            else:
+                buf.copy_(src)
+            out.append(buf)
+        if cuda_sources:
+            # The copies must land before training mutates the sources again.
+            self._side_stream().synchronize()
+        for key in [k for k in slot.buffers if k not in live]:  # layout changed: drop stale buffers
+            del slot.buffers[key]
+        return out
+
+    def _side_stream(self):
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+            self._stream.wait_stream(torch.cuda.current_stream())
+        else:
+            self._stream.wait_stream(torch.cuda.current_stream())
+        return self._stream
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for s in self._slots for b in s.buffers.values())
+
+
+def _new_buffer(like: torch.Tensor) -> torch.Tensor:
+    pin = like.is_cuda and torch.cuda.is_available()
+    buf = torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=pin)
+    if buf.numel():
+        buf.zero_()  # pre-fault the pages now, not inside the first timed copy
+    return buf
+
+
+_POOL: Optional[StagingPool] = None
+_POOL_LOCK = threading.Lock()
+
+
+def shared_pool() -> StagingPool:
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = StagingPool()
+        return _POOL
