@@ -8,8 +8,8 @@ from .errors import (CheckpointError, CheckpointExistsError, CheckpointNotFoundE
                      FormatVersionError, IncompleteCheckpointError, MetadataError, RemoteRankError,
                      ShardLayoutError, StateMismatchError)
 from .shards import FlatShard, Shard
-from .save import SaveHandle, save, wait_pending
-from .load import load, load_full, last_load_stats
+from .saver import SaveHandle, save, wait_pending
+from .loader import load, load_full, last_load_stats
 from .inspect import CheckpointInfo, TensorInfo, delete, inspect, is_checkpoint, verify
 from .metadata import FORMAT_VERSION
 

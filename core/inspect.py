@@ -49,7 +49,7 @@ class CheckpointInfo:
 
 def inspect(path, storage_options: Optional[Mapping[str, Any]] = None) -> CheckpointInfo:
     """What a checkpoint holds, from its metadata alone. An incomplete one is reported, not raised."""
-    from .load import read_metadata
+    from .loader import read_metadata
     store = Store(path, storage_options)
     try:
         md = read_metadata(store)
@@ -72,7 +72,7 @@ class VerifyReport:
 def verify(path, storage_options: Optional[Mapping[str, Any]] = None,
            progress: Optional[Callable[[int, int], None]] = None) -> VerifyReport:
     """Read every stored byte and check every checksum and the metadata's coverage."""
-    from .load import read_metadata
+    from .loader import read_metadata
     store = Store(path, storage_options)
     report = VerifyReport(str(path), ok=True)
     try:
@@ -112,7 +112,7 @@ def verify(path, storage_options: Optional[Mapping[str, Any]] = None,
 
 def is_checkpoint(path, storage_options: Optional[Mapping[str, Any]] = None) -> bool:
     """True only for a committed checkpoint (its metadata file exists and parses)."""
-    from .load import read_metadata
+    from .loader import read_metadata
     try:
         read_metadata(Store(path, storage_options))
         return True
@@ -122,7 +122,7 @@ def is_checkpoint(path, storage_options: Optional[Mapping[str, Any]] = None) -> 
 
 def delete(path, storage_options: Optional[Mapping[str, Any]] = None) -> None:
     """Remove a checkpoint: the commit point first, so a half-deleted one never looks valid."""
-    from .save import wait_pending
+    from .saver import wait_pending
     store = Store(path, storage_options)
     if store.read_bytes(METADATA_FILE) is None and not store.exists_any():
         raise CheckpointNotFoundError(f"{store.url!r}: nothing to delete")

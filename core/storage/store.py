@@ -131,7 +131,8 @@ class Store:
             return handle
         spec = zarr_spec(self.kv_spec, meta)
         if create:
-            fut = ts.open(spec, context=self.context, create=True, delete_existing=True)
+            # Never delete_existing: other ranks may already have written chunks of this array.
+            fut = ts.open(spec, context=self.context, create=True, open=True)
         else:
             # Writers and readers trust the metadata we recorded ourselves: no zarr.json round trip.
             fut = ts.open(spec, context=self.context, open=True, assume_metadata=True)

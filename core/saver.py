@@ -50,8 +50,11 @@ class SaveHandle:
 
     def wait(self, timeout: Optional[float] = None) -> "SaveHandle":
         if self._future is not None:
-            self._future.result(timeout)
-            _forget(self)
+            try:
+                self._future.result(timeout)
+            finally:
+                if self._future.done():  # a failure is delivered once, here
+                    _forget(self)
         return self
 
     def done(self) -> bool:

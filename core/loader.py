@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from . import codec
+from . import codec, zero_redundancy
 from .comm import Comm
 from .errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError,
                      StateMismatchError)
@@ -20,7 +20,7 @@ from .flatten import Flat, build_from_structure, find_subtree, flatten_for_load,
 from .metadata import METADATA_FILE, Metadata, TensorMeta
 from .planner import ReadItem, TargetSpec, check_targets, plan_load
 from .regions import volume
-from .save import DATA_PREFIX, dtype_name
+from .saver import DATA_PREFIX, dtype_name
 from .storage import Store, from_numpy
 from .storage.store import raise_read_error
 
@@ -163,8 +163,6 @@ def _list(keys: List[str], n: int = 20) -> str:
 def load(path, state: Dict[str, Any], *, process_group=None, strict: bool = True,
          storage_options: Optional[Mapping[str, Any]] = None, allow_pickle: bool = False) -> Dict[str, Any]:
     """Load a checkpoint into `state` in place (collective); returns `state`."""
-    from .zero_redundancy import shared_reads  # local import: optional fast path
-
     comm = Comm(process_group)
     store = Store(path, storage_options)
     md = _metadata(comm, store)
@@ -186,8 +184,13 @@ def load(path, state: Dict[str, Any], *, process_group=None, strict: bool = True
     def dest_of(r: ReadItem) -> torch.Tensor:
         return target_view(flat.tensors[r.key].pieces[r.piece].tensor, r.target_box)
 
+    shared = zero_redundancy.plan_shared(comm, md, reads)
+    comm.run(lambda: zero_redundancy.read_assigned(comm, store, md, shared, stats, execute_reads, torch_dtype),
+             f"reading shared data of {store.url!r}")
+    zero_redundancy.exchange(comm, md, shared, dest_of, stats, torch_dtype)
+
     def read_all():
-        local = shared_reads(comm, store, md, reads, dest_of, stats)
+        local = shared.local_reads(reads)
         execute_reads(store, md, local, [_cpu_dest(dest_of(r)) for r in local], stats)
         _flush_cuda_dests()
         if flat.setters or flat.subtrees:

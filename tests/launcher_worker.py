@@ -1,0 +1,24 @@
+"""Entry point of one rank started by launcher.run_ranks."""
+import datetime
+import importlib
+import json
+import os
+import sys
+
+import torch.distributed as dist
+
+
+def main() -> None:
+    module, func = sys.argv[1].split(":")
+    world = int(os.environ["WORLD_SIZE"])
+    if world > 1:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    try:
+        getattr(importlib.import_module(module), func)(**json.loads(os.environ.get("BCP_TEST_ARGS", "{}")))
+    finally:
+        if world > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

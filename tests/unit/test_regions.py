@@ -1,0 +1,56 @@
+import math
+import random
+
+import pytest
+
+from bytecheckpoint.regions import (chunk_count, chunk_grid, find_layout_problem, flat_range_to_boxes, intersect,
+                                    volume)
+
+
+def test_intersect():
+    assert intersect(((0, 0), (4, 4)), ((2, 3), (4, 4))) == ((2, 3), (2, 1))
+    assert intersect(((0,), (2,)), ((2,), (2,))) is None
+    assert intersect(((), ()), ((), ())) == ((), ())
+
+
+@pytest.mark.parametrize("shape", [(7,), (5, 7), (3, 4, 5), (2, 1, 3, 4)])
+def test_flat_range_boxes_cover_exactly_and_in_order(shape):
+    total = math.prod(shape)
+    rng = random.Random(0)
+    for _ in range(200):
+        a, b = sorted(rng.randrange(total + 1) for _ in range(2))
+        boxes = flat_range_to_boxes(shape, a, b)
+        assert len(boxes) <= 2 * len(shape) - 1
+        flat = []
+        for offs, lens in boxes:
+            # enumerate the box's elements in row-major order
+            idx = [[]]
+            for o, l in zip(offs, lens):
+                idx = [i + [o + k] for i in idx for k in range(l)]
+            for i in idx:
+                flat.append(sum(x * math.prod(shape[d + 1:]) for d, x in enumerate(i)))
+        assert flat == list(range(a, b))
+
+
+def test_flat_range_rejects_out_of_bounds():
+    with pytest.raises(ValueError, match="outside"):
+        flat_range_to_boxes((2, 3), 4, 7)
+
+
+def test_chunk_grid_aligns_with_every_box():
+    shape = (10, 6)
+    boxes = [((0, 0), (4, 6)), ((4, 0), (4, 6)), ((8, 0), (2, 6))]
+    assert chunk_grid(shape, boxes) == (2, 6)
+    assert chunk_count(shape, (2, 6)) == 5
+    assert chunk_grid((9, 7), [((0, 0), (9, 7))]) == (9, 7)
+
+
+def test_layout_problems_named():
+    assert find_layout_problem((4, 4), [((0, 0), (2, 4)), ((2, 0), (2, 4))]) is None
+    msg, idx = find_layout_problem((4, 4), [((0, 0), (3, 4)), ((2, 0), (2, 4))])
+    assert "overlaps" in msg and sorted(idx) == [0, 1]
+    msg, _ = find_layout_problem((4, 4), [((0, 0), (2, 4))])
+    assert "cover 8 of 16" in msg
+    msg, _ = find_layout_problem((4, 4), [((3, 0), (2, 4))])
+    assert "outside" in msg
+    assert volume(()) == 1
