@@ -13,7 +13,7 @@ class Tunables:
     # Concurrent tensorstore file/network operations (one Context per process).
     io_concurrency: int = _env_int("BCP_IO_CONCURRENCY", 32)
     # Threads tensorstore uses to encode/decode/copy chunks.
-    copy_concurrency: int = _env_int("BCP_COPY_CONCURRENCY", 4)
+    copy_concurrency: int = _env_int("BCP_COPY_CONCURRENCY", min(4, os.cpu_count() or 1))
     # Per-tensor chunk grids with more than this many chunks per saved region fall
     # back to one zarr array per region (avoids millions of tiny chunk files).
     max_chunks_per_region: int = _env_int("BCP_MAX_CHUNKS_PER_REGION", 16)

@@ -9,8 +9,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional
 from .errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError
 from .metadata import METADATA_FILE, Metadata
 from .regions import find_layout_problem
-from .storage import Store
-from .storage.store import raise_read_error
+from .storage import Store, chunks
 
 
 @dataclass(frozen=True)
@@ -82,24 +81,22 @@ def verify(path, storage_options: Optional[Mapping[str, Any]] = None,
         report.problems.append(str(exc))
         return report
     total = sum(t.nbytes for t in md.tensors.values())
-    done = 0
     for t in md.tensors.values():
         problem = find_layout_problem(t.shape, [(r.offsets, r.lengths) for r in t.regions])
         if problem is not None:
             report.problems.append(f"tensor {t.key!r}: {problem[0]}")
-        for r in t.regions:
-            index = tuple(slice(o, o + n) for o, n in zip(r.array_offsets, r.lengths))
+    for meta in md.arrays.values():
+        refs = [(meta, index) for index, _ in chunks.chunks_in_box(meta, ((0,) * len(meta.shape), meta.shape))]
+        if not meta.shape:
+            refs = [(meta, ())]
+        for (m, index), fut in zip(refs, chunks.start_chunk_reads(chunks.chunk_io_for(store), refs)):
             try:
-                store.read_region(md.arrays[r.array], index).result()
-            except Exception as exc:  # noqa: BLE001 - every failure becomes a reported problem
-                try:
-                    raise_read_error(exc, f"tensor {t.key!r} region {list(r.offsets)}")
-                except CheckpointError as err:
-                    report.problems.append(str(err))
-            done += math.prod(r.lengths) * (t.nbytes // max(1, math.prod(t.shape)))
-            report.checked_bytes = done
+                raw = chunks.chunk_bytes(fut, m, index, f"array {m.path!r}")
+                report.checked_bytes += len(raw)
+            except CheckpointError as err:
+                report.problems.append(str(err))
             if progress:
-                progress(done, total)
+                progress(report.checked_bytes, total)
     for o in md.objects:
         raw = store.read_bytes(o.path)
         if raw is None:

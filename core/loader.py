@@ -21,8 +21,7 @@ from .metadata import METADATA_FILE, Metadata, TensorMeta
 from .planner import ReadItem, TargetSpec, check_targets, plan_load
 from .regions import volume
 from .saver import DATA_PREFIX, dtype_name
-from .storage import Store, from_numpy
-from .storage.store import raise_read_error
+from .storage import Store, chunks
 
 _TORCH_DTYPES = {name: getattr(torch, name) for name in
                  ("bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64", "float16",
@@ -67,21 +66,38 @@ def torch_dtype(name: str) -> torch.dtype:
 
 # ------------------------------------------------------------------ reading tensors
 
-def execute_reads(store: Store, md: Metadata, reads: Sequence[ReadItem],
-                  dest: Sequence[torch.Tensor], stats: LoadStats) -> None:
-    """Issue every read at once (tensorstore pipelines them), copy each into dest[i] as it lands."""
-    futures = []
-    for r in reads:
-        index = tuple(slice(o, o + n) for o, n in zip(*r.array_box))
-        futures.append(store.read_region(md.arrays[r.array], index))
-    for r, fut, out in zip(reads, futures, dest):
-        try:
-            arr = fut.result()
-        except Exception as exc:  # noqa: BLE001 - classify: checksum vs other I/O
-            raise_read_error(exc, f"tensor {r.key!r} ({r.array})")
-        t = from_numpy(arr, out.dtype)
-        out.copy_(t.reshape(out.shape))
-        stats.bytes_read += t.numel() * t.element_size()
+Needs = Dict[Tuple[str, Tuple[int, ...]], List[Tuple[Any, torch.Tensor]]]
+
+
+def chunk_needs(md: Metadata, reads: Sequence[ReadItem], dests: Sequence[torch.Tensor]) -> Needs:
+    """Group the read items by the stored chunks they touch: chunk -> [(part, destination view)].
+
+    Chunks are the unit of reading: each is read whole (so its checksum is checked) and once."""
+    needs: Needs = {}
+    for r, dest in zip(reads, dests):
+        meta = md.arrays[r.array]
+        for index, part, view in chunks.chunk_parts(meta, r.array_box, dest):
+            needs.setdefault((r.array, index), []).append((part, view))
+    return needs
+
+
+def read_chunks(store: Store, md: Metadata, needs: Needs, stats: LoadStats, what: str) -> None:
+    """Read every needed chunk (all in flight at once), check it, copy its parts into place."""
+    refs = list(needs)
+    io = chunks.chunk_io_for(store)
+    futures = chunks.start_chunk_reads(io, [(md.arrays[a], i) for a, i in refs])
+
+    def finish(ref, fut) -> int:  # I/O, checksum and copy release the GIL: run on the worker pool
+        meta = md.arrays[ref[0]]
+        direct = chunks.read_whole_into(io, meta, ref[1], needs[ref], f"{what} {ref[0]!r}")
+        if direct is not None:
+            return direct
+        raw = chunks.chunk_bytes(fut, meta, ref[1], f"{what} {ref[0]!r}")
+        chunks.copy_parts(chunks.chunk_tensor(raw, meta, torch_dtype(meta.dtype)), ref[1], meta, needs[ref])
+        return len(raw)
+
+    for nbytes in chunks.parallel_map(finish, list(zip(refs, futures))):
+        stats.bytes_read += nbytes
         stats.reads += 1
 
 
@@ -105,7 +121,7 @@ def read_full_tensors(store: Store, md: Metadata, keys: Sequence[str]) -> Dict[s
     for r in plan_load(md.tensors, targets):
         reads.append(r)
         dest.append(target_view(out[r.key], r.target_box))
-    execute_reads(store, md, reads, dest, LoadStats())
+    read_chunks(store, md, chunk_needs(md, reads, dest), LoadStats(), "reading")
     return out
 
 
@@ -184,15 +200,14 @@ def load(path, state: Dict[str, Any], *, process_group=None, strict: bool = True
     def dest_of(r: ReadItem) -> torch.Tensor:
         return target_view(flat.tensors[r.key].pieces[r.piece].tensor, r.target_box)
 
-    shared = zero_redundancy.plan_shared(comm, md, reads)
-    comm.run(lambda: zero_redundancy.read_assigned(comm, store, md, shared, stats, execute_reads, torch_dtype),
+    needs = chunk_needs(md, reads, [dest_of(r) for r in reads])
+    shared = zero_redundancy.plan_shared(comm, md, list(needs))
+    comm.run(lambda: zero_redundancy.read_assigned(comm, store, md, shared, stats),
              f"reading shared data of {store.url!r}")
-    zero_redundancy.exchange(comm, md, shared, dest_of, stats, torch_dtype)
+    zero_redundancy.exchange(comm, md, shared, needs, stats)
 
     def read_all():
-        local = shared.local_reads(reads)
-        execute_reads(store, md, local, [_cpu_dest(dest_of(r)) for r in local], stats)
-        _flush_cuda_dests()
+        read_chunks(store, md, shared.local_needs(needs), stats, "loading")
         if flat.setters or flat.subtrees:
             objects = read_objects(store, md, comm.rank, allow_pickle)
             for key, assign in flat.setters.items():
@@ -215,26 +230,6 @@ def load(path, state: Dict[str, Any], *, process_group=None, strict: bool = True
     comm.run(read_all, f"loading {store.url!r}")
     last_load_stats.__dict__.update(stats.__dict__)
     return state
-
-
-_PENDING_CUDA: List[Tuple[torch.Tensor, torch.Tensor]] = []
-
-
-def _cpu_dest(t: torch.Tensor) -> torch.Tensor:
-    """Reads land in CPU memory; CUDA targets get a staging buffer copied after the reads."""
-    if not t.is_cuda:
-        return t
-    buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    _PENDING_CUDA.append((t, buf))
-    return buf
-
-
-def _flush_cuda_dests() -> None:
-    while _PENDING_CUDA:
-        t, buf = _PENDING_CUDA.pop()
-        t.copy_(buf, non_blocking=True)
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def load_full(path, *, keys: Optional[Sequence[str]] = None, process_group=None,

@@ -50,6 +50,7 @@ class ArrayMeta:
     shape: Tuple[int, ...]
     chunks: Tuple[int, ...]
     dtype: str
+    checksums: Mapping[str, int] = field(default_factory=dict)  # chunk name ("i.j") -> zlib crc32
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,7 @@ class Metadata:
             "save_id": self.save_id,
             "world_size": self.world_size,
             "tensors": {k: _tensor_to_json(t) for k, t in self.tensors.items()},
-            "arrays": {k: asdict(a) for k, a in self.arrays.items()},
+            "arrays": {k: {**asdict(a), "checksums": dict(a.checksums)} for k, a in self.arrays.items()},
             "objects": [asdict(o) for o in self.objects],
             "structure": self.structure,
             "info": dict(self.info),
@@ -186,7 +187,11 @@ def _parse(body: Any, where: str) -> Metadata:
         shape = _ints(a.get("shape"), w)
         chunks = _ints(a.get("chunks"), w, len(shape))
         _expect(math.prod(shape) <= MAX_ELEMENTS and all(c >= 1 for c in chunks), w, "absurd shape or chunks")
-        arrays[path] = ArrayMeta(path, shape, chunks, a["dtype"])
+        sums = a.get("checksums", {})
+        _expect(isinstance(sums, dict) and all(isinstance(k, str) and len(k) < 256 for k in sums), w,
+                "checksums malformed")
+        arrays[path] = ArrayMeta(path, shape, chunks, a["dtype"],
+                                 {k: _int(v, w, 0, (1 << 32) - 1) for k, v in sums.items()})
 
     tensors_raw = body.get("tensors")
     _expect(isinstance(tensors_raw, dict), where, "tensors is not an object")

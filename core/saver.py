@@ -25,7 +25,7 @@ from .metadata import (DTYPES, FORMAT_VERSION, METADATA_FILE, ArrayMeta, Metadat
 from .planner import RankManifest, SavePlan, TensorManifest, WriteItem, plan_save
 from .regions import relative
 from .staging import shared_pool
-from .storage import Store, to_numpy
+from .storage import Store, chunks
 
 log = logging.getLogger("bytecheckpoint")
 DATA_PREFIX = "data-"
@@ -203,27 +203,24 @@ def _sources(flat: Flat, writes: Sequence[WriteItem]) -> List[torch.Tensor]:
 
 
 def _write_local(store: Store, data_dir: str, local: LocalPlan, data: Sequence[torch.Tensor],
-                 objects_blob: bytes, rank: int) -> ObjectFileMeta:
+                 objects_blob: bytes, rank: int) -> Tuple[ObjectFileMeta, Dict[str, Dict[str, int]]]:
+    """Write this rank's boxes and plain values; returns the object file entry and chunk crc32s."""
     arrays = {p: _rooted(a, data_dir) for p, a in local.arrays.items()}
     for path in local.creates:
         store.create_array_metadata(arrays[path])
-    futures = []
+    pending: Dict[str, chunks.PendingWrite] = {}
+    io = chunks.chunk_io_for(store)
     for w, t in zip(local.writes, data):
-        if t.is_cuda:
-            t = t.cpu()
-        futures.append(store.write_region(arrays[w.array], w.array_offsets, to_numpy(t.detach())))
+        pending[w.array] = chunks.start_write(io, arrays[w.array], w.array_offsets, t, pending.get(w.array))
     obj_path = f"{data_dir}/objects/rank_{rank}.json"
     store.write_bytes(obj_path, objects_blob)
-    for w, f in zip(local.writes, futures):
-        try:
-            f.result()
-        except Exception as exc:  # noqa: BLE001 - add which tensor it was
-            raise CheckpointError(f"writing tensor {w.key!r} to {store.url!r} failed: {exc}") from exc
-    return ObjectFileMeta(rank, obj_path, len(objects_blob), zlib.crc32(objects_blob))
+    checksums = {path: p.finish(f"tensor data {path!r} to {store.url!r}") for path, p in pending.items()}
+    store.sync()  # one flush of the whole file system instead of an fsync per chunk
+    return ObjectFileMeta(rank, obj_path, len(objects_blob), zlib.crc32(objects_blob)), checksums
 
 
-def _rooted(a: ArrayMeta, data_dir: str) -> ArrayMeta:
-    return ArrayMeta(f"{data_dir}/{a.path}", a.shape, a.chunks, a.dtype)
+def _rooted(a: ArrayMeta, data_dir: str, checksums: Optional[Mapping[str, int]] = None) -> ArrayMeta:
+    return ArrayMeta(f"{data_dir}/{a.path}", a.shape, a.chunks, a.dtype, dict(checksums or a.checksums))
 
 
 def _commit(comm: Comm, store: Store, full: Optional[SavePlan], save_id: str, old_data: Optional[str],
@@ -233,6 +230,11 @@ def _commit(comm: Comm, store: Store, full: Optional[SavePlan], save_id: str, ol
 
     def decide() -> None:
         failed = [(r, err) for r, (_, err) in enumerate(results) if err is not None]
+        objects = [res for res, _ in results]
+        checksums: Dict[str, Dict[str, int]] = {}
+        for res in objects if not failed else ():
+            for path, sums in res[1].items():
+                checksums.setdefault(path, {}).update(sums)
         if failed:
             detail = "; ".join(f"rank {r}: {e}" for r, e in failed[:8])
             raise CheckpointError(f"save to {store.url!r} failed on {len(failed)} rank(s), nothing was "
@@ -244,13 +246,13 @@ def _commit(comm: Comm, store: Store, full: Optional[SavePlan], save_id: str, ol
                                    tuple(RegionMeta(r.offsets, r.lengths, f"{data_dir}/{r.array}", r.array_offsets,
                                                     r.writer) for r in t.regions))
                      for k, t in full.tensors.items()},
-            arrays={f"{data_dir}/{p}": _rooted(a, data_dir) for p, a in full.arrays.items()},
-            objects=tuple(o for o, _ in results),
+            arrays={f"{data_dir}/{p}": _rooted(a, data_dir, checksums.get(p)) for p, a in full.arrays.items()},
+            objects=tuple(o for o, _ in objects),
             structure=structure,
             info={"data_dir": data_dir, "created_unix": time.time(), "torch": torch.__version__,
                   "bytes_per_rank": list(full.bytes_per_rank)},
         )
-        if not store.write_bytes(METADATA_FILE, md.to_json(), only_if_absent=not overwrite):
+        if not store.write_bytes(METADATA_FILE, md.to_json(), only_if_absent=not overwrite, durable=True):
             raise CheckpointExistsError(f"another job committed a checkpoint to {store.url!r} while this save was "
                                         f"running; this save was discarded and theirs is intact")
         if old_data and old_data != data_dir:

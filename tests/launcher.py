@@ -30,10 +30,11 @@ def run_ranks(target: str, world_size: int, args: Optional[Dict[str, Any]] = Non
     procs = []
     logs = []
     for rank in range(world_size):
+        extra = dict(extra_env or {})
+        path = os.pathsep.join(p for p in (extra.pop("PYTHONPATH", ""), HERE, os.environ.get("PYTHONPATH", "")) if p)
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONPATH=HERE + os.pathsep +
-                   os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1", BCP_TEST_ARGS=json.dumps(args or {}),
-                   **(extra_env or {}))
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONPATH=path, OMP_NUM_THREADS="1",
+                   BCP_TEST_ARGS=json.dumps(args or {}), **extra)
         log = open(os.path.join(_log_dir(), f"{target.replace(':', '.')}-{port}-r{rank}.log"), "w+")
         logs.append(log)
         procs.append(subprocess.Popen([sys.executable, "-m", "launcher_worker", target], env=env,

@@ -5,8 +5,10 @@ One Context per process (all concurrency limits), a root KvStore for small objec
 """
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
+import tempfile
 import threading
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -16,7 +18,16 @@ import torch
 
 from ..errors import CheckpointError, CorruptCheckpointError
 from ..metadata import ArrayMeta
-from .specs import context_spec, kvstore_spec, split_url, zarr_spec
+from . import faults
+from .errors import StorageError, classify
+from .specs import context_spec, kvstore_spec, split_url, static_credentials_files, zarr_spec
+
+try:
+    import ctypes
+    import ctypes.util
+    _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+except OSError:  # pragma: no cover - non-glibc platforms fall back to os.sync
+    _LIBC = None
 
 _CONTEXT_LOCK = threading.Lock()
 _CONTEXT: Optional[ts.Context] = None
@@ -58,7 +69,8 @@ class Store:
     def __init__(self, url: str, storage_options: Optional[Mapping[str, Any]] = None):
         self.url = os.fspath(url)
         self.scheme, _, self.local_root = split_url(self.url)
-        self.kv_spec = kvstore_spec(self.url, storage_options)
+        secrets = _write_static_credentials(storage_options) if self.scheme == "s3" else None
+        self.kv_spec = kvstore_spec(self.url, storage_options, secrets_dir=secrets)
         self.context = shared_context()
         self._kv: Optional[ts.KvStore] = None
         self._arrays: Dict[Tuple[str, bool], Any] = {}
@@ -67,42 +79,86 @@ class Store:
     # ------------------------------------------------------------ small objects
     @property
     def kv(self) -> ts.KvStore:
+        """The root KvStore (every key-value request goes through it; see faults.py)."""
         if self._kv is None:
-            self._kv = ts.KvStore.open(self.kv_spec, context=self.context).result()
+            try:
+                kv = ts.KvStore.open(self.kv_spec, context=self.context).result()
+            except ValueError as exc:
+                raise classify(exc, f"opening {self.url!r}", self.url) from exc
+            if self.scheme in ("s3", "gs"):
+                _probe_bucket(kv, self.url)
+            self._kv = faults.wrap(kv) if faults.active() else kv
         return self._kv
 
     def read_bytes(self, key: str) -> Optional[bytes]:
         try:
             r = self.kv.read(key).result()
         except ValueError as exc:  # tensorstore reports I/O failures as ValueError
-            raise CheckpointError(f"reading {self._where(key)} failed: {exc}") from exc
+            raise classify(exc, f"reading {self._where(key)}", self.url) from exc
         return r.value if r.state == "value" else None
 
-    def write_bytes(self, key: str, data: bytes, *, only_if_absent: bool = False) -> bool:
-        """Write atomically; with only_if_absent, return False when the key already exists."""
+    def write_bytes(self, key: str, data: bytes, *, only_if_absent: bool = False, durable: bool = False) -> bool:
+        """Write atomically; with only_if_absent, return False when the key already exists.
+        durable=True flushes it to stable storage before returning."""
         try:
             if only_if_absent:
                 current = self.kv.read(key).result()
                 if current.state == "value":
                     return False
                 # Conditional on "still absent": a concurrent writer makes this a no-op.
-                return self.kv.write(key, data, if_equal=current.stamp.generation).result().generation != b""
-            self.kv.write(key, data).result()
-            return True
+                written = self.kv.write(key, data, if_equal=current.stamp.generation).result().generation != b""
+            else:
+                self.kv.write(key, data).result()
+                written = True
         except ValueError as exc:
-            raise CheckpointError(f"writing {self._where(key)} failed: {exc}") from exc
+            raise classify(exc, f"writing {self._where(key)}", self.url) from exc
+        if written and durable:
+            self.sync()
+        return written
+
+    def sync(self) -> None:
+        """Flush local writes to disk. The file kvstore runs without per-file fsync (one fsync per
+        chunk file dominated save time); one syncfs of the checkpoint's file system replaces them.
+        Object stores are durable once a write returns."""
+        if faults.active():
+            try:
+                faults.check("sync", self.url)
+            except ValueError as exc:
+                raise classify(exc, f"flushing {self.url!r} to disk", self.url) from exc
+        if self.scheme != "file" or not os.path.isdir(self.local_root):
+            return
+        fd = os.open(self.local_root, os.O_RDONLY)
+        try:
+            if _LIBC is not None and hasattr(_LIBC, "syncfs"):
+                if _LIBC.syncfs(fd) != 0:
+                    os.fsync(fd)
+            else:
+                os.sync()
+        finally:
+            os.close(fd)
 
     def delete(self, key: str) -> None:
-        self.kv.write(key, None).result()
+        try:
+            self.kv.write(key, None).result()
+        except ValueError as exc:
+            raise classify(exc, f"deleting {self._where(key)}", self.url) from exc
 
     def list(self, prefix: str = "") -> List[str]:
         rng = ts.KvStore.KeyRange(inclusive_min=prefix, exclusive_max=_prefix_end(prefix)) if prefix else None
-        return sorted(k.decode() for k in self.kv.list(rng).result())
+        try:
+            keys = self.kv.list(rng).result() if rng is not None else self.kv.list().result()
+        except ValueError as exc:
+            raise classify(exc, f"listing {self._where(prefix)}", self.url) from exc
+        return sorted(k.decode() for k in keys)
 
     def delete_prefix(self, prefix: str) -> None:
         if not prefix:
             raise CheckpointError("refusing to delete an empty prefix (the whole store)")
-        self.kv.delete_range(ts.KvStore.KeyRange(inclusive_min=prefix, exclusive_max=_prefix_end(prefix))).result()
+        try:
+            self.kv.delete_range(ts.KvStore.KeyRange(inclusive_min=prefix,
+                                                     exclusive_max=_prefix_end(prefix))).result()
+        except ValueError as exc:
+            raise classify(exc, f"deleting {self._where(prefix)}", self.url) from exc
         if self.scheme == "file":  # the file driver leaves empty directories behind
             shutil.rmtree(os.path.join(self.local_root, prefix), ignore_errors=True)
 
@@ -111,12 +167,15 @@ class Store:
         if self.scheme == "file":
             shutil.rmtree(self.local_root, ignore_errors=True)
         else:
-            self.kv.delete_range(ts.KvStore.KeyRange()).result()
+            try:
+                self.kv.delete_range(ts.KvStore.KeyRange()).result()
+            except ValueError as exc:
+                raise classify(exc, f"deleting {self.url!r}", self.url) from exc
 
     def exists_any(self) -> bool:
         if self.scheme == "file":
             return os.path.isdir(self.local_root) and bool(os.listdir(self.local_root))
-        return bool(self.kv.list().result())
+        return bool(self.list())
 
     def _where(self, key: str) -> str:
         return f"{self.url.rstrip('/')}/{key}"
@@ -153,6 +212,45 @@ class Store:
 
     def create_array_metadata(self, meta: ArrayMeta) -> None:
         self.array(meta, create=True)
+
+
+def _probe_bucket(kv: ts.KvStore, url: str) -> None:
+    """One cheap listing request when a remote root is first opened, so that a missing bucket or a
+    wrong endpoint fails at once with an error naming the URL (S3 reads of a missing bucket look
+    like missing keys otherwise). A listing that is only forbidden is not an error here: some
+    credentials may read and write but not list; their requests report their own errors."""
+    try:
+        kv.list(ts.KvStore.KeyRange(inclusive_min="metadata.json", exclusive_max="metadata.json\x00")).result()
+    except ValueError as exc:
+        err = classify(exc, f"opening {url!r}", url)
+        if not isinstance(err, PermissionError):
+            raise err from exc
+
+
+_SECRETS_LOCK = threading.Lock()
+_SECRETS_DIR: Optional[str] = None
+
+
+def _write_static_credentials(options: Optional[Mapping[str, Any]]) -> Optional[str]:
+    """Explicit keys -> a private 0600 credentials file (see specs.aws_credentials_spec); its dir."""
+    global _SECRETS_DIR
+    opts = dict(options or {})
+    if not (opts.get("access_key_id") and opts.get("secret_access_key")):
+        return None
+    cred_name, conf_name, cred_text, conf_text = static_credentials_files(opts)
+    with _SECRETS_LOCK:
+        if _SECRETS_DIR is None or not os.path.isdir(_SECRETS_DIR):
+            _SECRETS_DIR = tempfile.mkdtemp(prefix="bytecheckpoint-aws-")  # mode 0700
+            atexit.register(shutil.rmtree, _SECRETS_DIR, True)
+        for name, text in ((cred_name, cred_text), (conf_name, conf_text)):
+            path = os.path.join(_SECRETS_DIR, name)
+            if not os.path.exists(path):
+                tmp = f"{path}.{os.getpid()}.{threading.get_ident()}"
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                with os.fdopen(fd, "w") as f:
+                    f.write(text)
+                os.replace(tmp, path)
+        return _SECRETS_DIR
 
 
 def _prefix_end(prefix: str) -> str:
