@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from . import codec
+from . import codec, commit
 from .comm import Comm
 from .errors import CheckpointError, CheckpointExistsError
 from .flatten import Flat, TensorEntry, flatten_for_save
@@ -128,7 +128,6 @@ class _CachedPlan:
 
 
 _PLAN_CACHE: Dict[Any, _CachedPlan] = {}
-_BG_GROUPS: Dict[Any, Any] = {}
 
 
 def manifest_of(flat: Flat) -> RankManifest:
@@ -205,70 +204,50 @@ def _sources(flat: Flat, writes: Sequence[WriteItem]) -> List[torch.Tensor]:
 def _write_local(store: Store, data_dir: str, local: LocalPlan, data: Sequence[torch.Tensor],
                  objects_blob: bytes, rank: int) -> Tuple[ObjectFileMeta, Dict[str, Dict[str, int]]]:
     """Write this rank's boxes and plain values; returns the object file entry and chunk crc32s."""
-    arrays = {p: _rooted(a, data_dir) for p, a in local.arrays.items()}
-    for path in local.creates:
-        store.create_array_metadata(arrays[path])
-    pending: Dict[str, chunks.PendingWrite] = {}
+    arrays = {p: commit.rooted(a, data_dir) for p, a in local.arrays.items()}
     io = chunks.chunk_io_for(store)
+    created = [chunks.write_zarr_json(io, arrays[path]) for path in local.creates]
+    pending: Dict[str, chunks.PendingWrite] = {}
     for w, t in zip(local.writes, data):
         pending[w.array] = chunks.start_write(io, arrays[w.array], w.array_offsets, t, pending.get(w.array))
     obj_path = f"{data_dir}/objects/rank_{rank}.json"
     store.write_bytes(obj_path, objects_blob)
     checksums = {path: p.finish(f"tensor data {path!r} to {store.url!r}") for path, p in pending.items()}
+    for fut in created:
+        fut.result()
     store.sync()  # one flush of the whole file system instead of an fsync per chunk
     return ObjectFileMeta(rank, obj_path, len(objects_blob), zlib.crc32(objects_blob)), checksums
 
 
-def _rooted(a: ArrayMeta, data_dir: str, checksums: Optional[Mapping[str, int]] = None) -> ArrayMeta:
-    return ArrayMeta(f"{data_dir}/{a.path}", a.shape, a.chunks, a.dtype, dict(checksums or a.checksums))
-
-
-def _commit(comm: Comm, store: Store, full: Optional[SavePlan], save_id: str, old_data: Optional[str],
-            structure: Any, overwrite: bool, local_result: Tuple[Optional[ObjectFileMeta], Optional[str]]) -> None:
-    """Gather write results; the coordinator writes metadata.json last (the commit point)."""
-    results = comm.gather(local_result)
-
-    def decide() -> None:
-        failed = [(r, err) for r, (_, err) in enumerate(results) if err is not None]
-        objects = [res for res, _ in results]
-        checksums: Dict[str, Dict[str, int]] = {}
-        for res in objects if not failed else ():
-            for path, sums in res[1].items():
-                checksums.setdefault(path, {}).update(sums)
-        if failed:
-            detail = "; ".join(f"rank {r}: {e}" for r, e in failed[:8])
-            raise CheckpointError(f"save to {store.url!r} failed on {len(failed)} rank(s), nothing was "
-                                  f"committed (a previous checkpoint there is intact): {detail}")
-        data_dir = DATA_PREFIX + save_id
-        md = Metadata(
-            version=FORMAT_VERSION, save_id=save_id, world_size=comm.world_size,
-            tensors={k: TensorMeta(t.key, t.dtype, t.shape, t.layout, t.holders,
-                                   tuple(RegionMeta(r.offsets, r.lengths, f"{data_dir}/{r.array}", r.array_offsets,
-                                                    r.writer) for r in t.regions))
-                     for k, t in full.tensors.items()},
-            arrays={f"{data_dir}/{p}": _rooted(a, data_dir, checksums.get(p)) for p, a in full.arrays.items()},
-            objects=tuple(o for o, _ in objects),
-            structure=structure,
-            info={"data_dir": data_dir, "created_unix": time.time(), "torch": torch.__version__,
-                  "bytes_per_rank": list(full.bytes_per_rank)},
-        )
-        if not store.write_bytes(METADATA_FILE, md.to_json(), only_if_absent=not overwrite, durable=True):
-            raise CheckpointExistsError(f"another job committed a checkpoint to {store.url!r} while this save was "
-                                        f"running; this save was discarded and theirs is intact")
-        if old_data and old_data != data_dir:
-            store.delete_prefix(old_data + "/")
-
-    comm.run_on_coordinator(decide, "committing the checkpoint")
-
-
 def _write_and_commit(comm: Comm, store: Store, local: LocalPlan, full: Optional[SavePlan], save_id: str,
                       old_data: Optional[str], structure: Any, overwrite: bool, data: Sequence[torch.Tensor],
-                      objects_blob: bytes) -> None:
+                      objects_blob: bytes, background: bool) -> None:
+    data_dir = DATA_PREFIX + save_id
     try:
-        result = (_write_local(store, DATA_PREFIX + save_id, local, data, objects_blob, comm.rank), None)
+        result = (_write_local(store, data_dir, local, data, objects_blob, comm.rank), None)
     except Exception as exc:  # noqa: BLE001 - reported to the coordinator, raised on every rank
         result = (None, f"{type(exc).__name__}: {exc}")
-    _commit(comm, store, full, save_id, old_data, structure, overwrite, result)
+
+    def decide(results) -> None:
+        commit.write_metadata(store, full, save_id, data_dir, comm.world_size, structure, overwrite, old_data,
+                              results)
+
+    if not background:
+        commit.collect_by_collective(comm, result, decide)
+        return
+    board = commit.MarkerBoard(store, data_dir, comm.world_size, comm.rank)
+    board.publish(result)
+    if comm.is_coordinator:
+        error: Optional[BaseException] = None
+        try:
+            decide(board.collect())
+        except BaseException as exc:  # noqa: BLE001 - announced to every rank, then re-raised here
+            error = exc
+        board.announce(error)
+        if error is not None:
+            raise error
+    else:
+        board.outcome()
 
 
 # ------------------------------------------------------------------ entry point
@@ -281,18 +260,6 @@ def _executor() -> ThreadPoolExecutor:
     if _EXECUTOR is None:
         _EXECUTOR = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bytecheckpoint-save")
     return _EXECUTOR
-
-
-def _background_comm(comm: Comm) -> Comm:
-    """A dedicated gloo group for the background commit: collectives never run in a background
-    thread on the training process group."""
-    if not comm.enabled or comm.world_size == 1:
-        return comm
-    key = id(comm.group)
-    if key not in _BG_GROUPS:
-        ranks = dist.get_process_group_ranks(comm.group) if comm.group is not None else list(range(dist.get_world_size()))
-        _BG_GROUPS[key] = dist.new_group(ranks=ranks, backend="gloo")
-    return Comm(_BG_GROUPS[key])
 
 
 def save(path, state: Dict[str, Any], *, async_save: bool = False, process_group=None, overwrite: bool = False,
@@ -309,11 +276,10 @@ def save(path, state: Dict[str, Any], *, async_save: bool = False, process_group
     handle = SaveHandle(str(path))
     if not async_save:
         _write_and_commit(comm, store, local, full, save_id, old_data, flat.structure, overwrite, sources,
-                          objects_blob)
+                          objects_blob, background=False)
         handle.stats["total_s"] = time.perf_counter() - t0
         return handle
 
-    bg = _background_comm(comm)
     pool = shared_pool()
     slot = pool.acquire()
     try:
@@ -324,8 +290,8 @@ def save(path, state: Dict[str, Any], *, async_save: bool = False, process_group
 
     def job() -> None:
         try:
-            _write_and_commit(bg, store, local, full, save_id, old_data, flat.structure, overwrite, staged,
-                              objects_blob)
+            _write_and_commit(comm, store, local, full, save_id, old_data, flat.structure, overwrite, staged,
+                              objects_blob, background=True)
         finally:
             pool.release(slot)
 

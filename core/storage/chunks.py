@@ -65,6 +65,14 @@ def _bits(t: torch.Tensor) -> np.ndarray:
     return t.view(_NO_NUMPY[t.dtype]).numpy() if t.dtype in _NO_NUMPY else t.numpy()
 
 
+def write_zarr_json(io, meta: ArrayMeta) -> object:
+    """Start writing the array's zarr.json (so tensorstore and zarr tools can open it)."""
+    import json
+    from .specs import zarr_json
+    raw = np.frombuffer(json.dumps(zarr_json(meta), sort_keys=True).encode(), dtype=np.uint8)
+    return io.write(f"{meta.path}/zarr.json", raw)[2]
+
+
 _POOL: Optional[ThreadPoolExecutor] = None
 
 

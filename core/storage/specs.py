@@ -230,9 +230,25 @@ def zarr_spec(kvstore: Mapping[str, Any], array: ArrayMeta) -> Dict[str, Any]:
             "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(array.chunks)}},
             "chunk_key_encoding": {"name": "default"},
             "fill_value": _fill_value(array.dtype),
-            "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}],
+            # checksums live in metadata.json (one crc32 per chunk), not in a crc32c codec: see chunks.py
+            "codecs": [_bytes_codec(array.dtype)],
         },
     }
+
+
+def _bytes_codec(dtype: str) -> Dict[str, Any]:
+    if dtype in ("bool", "uint8", "int8") or dtype.startswith("float8"):
+        return {"name": "bytes"}
+    return {"name": "bytes", "configuration": {"endian": "little"}}
+
+
+def zarr_json(array: ArrayMeta) -> Dict[str, Any]:
+    """The zarr.json of an array (what tensorstore's zarr3 driver writes, minus its I/O)."""
+    meta = zarr_spec({"driver": "memory"}, array)["metadata"]
+    fill = meta["fill_value"]
+    if array.dtype not in ("bool",) and not array.dtype.startswith(("int", "uint", "complex")):
+        fill = 0.0
+    return {"zarr_format": 3, "node_type": "array", **meta, "fill_value": fill}
 
 
 def _fill_value(dtype: str) -> Any:
