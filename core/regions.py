@@ -101,6 +101,20 @@ def find_layout_problem(shape: Sequence[int], boxes: Sequence[Box]) -> Optional[
     for i, (offs, lens) in enumerate(boxes):
         if len(offs) != len(shape) or any(o < 0 or l < 0 or o + l > s for o, l, s in zip(offs, lens, shape)):
             return f"box {_fmt(boxes[i])} lies outside global shape {list(shape)}", [i]
+    if shape and all(o[1:] == (0,) * (len(shape) - 1) and l[1:] == tuple(shape[1:]) for o, l in boxes):
+        # Fast path, row slabs (FSDP, ZeRO rows): sorted starts must follow each other exactly.
+        order = sorted(range(len(boxes)), key=lambda i: boxes[i][0][0])
+        pos = 0
+        for i in order:
+            start, n = boxes[i][0][0], boxes[i][1][0]
+            if n == 0:
+                continue
+            if start != pos:
+                break
+            pos += n
+        else:
+            if pos == shape[0] or volume(shape) == 0:
+                return None
     # Sweep along dim 0: only boxes whose dim-0 intervals overlap are compared, so the
     # common layouts (FSDP rows, TP columns within a row block) stay near-linear.
     ordered = sorted(range(len(boxes)), key=lambda i: boxes[i][0][:1])
