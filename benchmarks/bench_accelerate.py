@@ -1,0 +1,170 @@
+"""Accelerate save_state / load_state: Accelerate's default files vs. attach(accelerator).
+
+Same model, same optimizer state, same process count, same disk; three configurations:
+  default   Accelerate's own writer (model.safetensors + optimizer.bin, rank 0 writes)
+  bcp sync  attach(accelerator)                  (bytecheckpoint, every rank writes its share)
+  bcp async attach(accelerator, async_save=True) (save_state returns after the copy-out)
+
+    .venv/bin/python benchmarks/bench_accelerate.py                 # 2 processes, ~256 MiB params
+    .venv/bin/python benchmarks/bench_accelerate.py --nproc 1 --params-mib 64 --repeats 5
+
+Prints a table of median seconds (max over ranks) and the ratio default / configuration
+(> 1 means faster than Accelerate's default). Page cache is not dropped between runs: loads read
+what was just written, as a resume on the same node does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+CONFIGS = ("default", "bcp sync", "bcp async")
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nproc", type=int, default=2, help="processes (torchrun; 1 = plain python)")
+    p.add_argument("--params-mib", type=float, default=256.0, help="fp32 parameter bytes (Adam adds 2x)")
+    p.add_argument("--width", type=int, default=1024)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dir", default=None, help="where checkpoints go (default: a temp dir)")
+    p.add_argument("--json", default=None, help="also write the results here")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    return p.parse_args()
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+    from accelerate_bytecheckpoint import attach
+
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    set_seed(0)
+    layers = max(1, round(args.params_mib * 2**20 / 4 / (args.width * args.width + args.width)))
+    model = nn.Sequential(*[nn.Linear(args.width, args.width) for _ in range(layers)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model, opt = accelerator.prepare(model, opt)
+    loss = model(torch.randn(2, args.width, device=accelerator.device)).square().mean()
+    accelerator.backward(loss)
+    opt.step()  # Adam moments exist
+    opt.zero_grad()
+
+    def timed(fn) -> float:
+        accelerator.wait_for_everyone()
+        t0 = time.perf_counter()
+        fn()
+        dt = torch.tensor(time.perf_counter() - t0, dtype=torch.float64)
+        if dist.is_initialized():
+            dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+        return float(dt)
+
+    times: dict[str, dict[str, list[float]]] = {c: {"save": [], "commit": [], "load": []} for c in CONFIGS}
+    sizes: dict[str, int] = {}
+    for rep in range(args.repeats):
+        for config in CONFIGS:
+            path = os.path.join(args.dir, f"{config.replace(' ', '_')}_{rep}")
+            handle = None if config == "default" else attach(accelerator, async_save=(config == "bcp async"))
+            t_save = timed(lambda: accelerator.save_state(path))
+            t_commit = t_save + (timed(handle.wait) if handle is not None else 0.0)
+            if accelerator.is_main_process:
+                sizes[config] = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+            t_load = timed(lambda: accelerator.load_state(path))
+            if handle is not None:
+                handle.remove()
+            times[config]["save"].append(t_save)
+            times[config]["commit"].append(t_commit)
+            times[config]["load"].append(t_load)
+            accelerator.wait_for_everyone()
+            if accelerator.is_main_process:
+                shutil.rmtree(path)
+    if accelerator.is_main_process:
+        n_params = sum(p.numel() for p in accelerator.unwrap_model(model).parameters())
+        result = {
+            "nproc": accelerator.num_processes,
+            "params": n_params,
+            "device": str(accelerator.device),
+            "median_s": {c: {k: statistics.median(v) for k, v in t.items()} for c, t in times.items()},
+            "all_s": times,
+            "bytes": sizes,
+        }
+        with open(args.result, "w") as f:
+            json.dump(result, f)
+    accelerator.end_training()
+
+
+def table(result: dict) -> str:
+    med = result["median_s"]
+    rows = [
+        ("save_state (blocking)", "save"),
+        ("save_state until committed", "commit"),
+        ("load_state", "load"),
+    ]
+    head = f"| {'operation':<28} | " + " | ".join(f"{c:>10}" for c in CONFIGS) + " | " + " | ".join(
+        f"{'x ' + c:>12}" for c in CONFIGS[1:]
+    ) + " |"
+    lines = [
+        f"Accelerate save_state/load_state, {result['nproc']} process(es) on {result['device']}, "
+        f"{result['params'] / 1e6:.1f}M fp32 params + AdamW state; median seconds (max over ranks); "
+        "'x cfg' = default time / cfg time (> 1: faster than Accelerate's default)",
+        head,
+        "|" + "|".join("-" * len(c) for c in head[1:-1].split("|")) + "|",
+    ]
+    for label, key in rows:
+        base = med["default"][key]
+        cells = " | ".join(f"{med[c][key]:>10.3f}" for c in CONFIGS)
+        ratios = " | ".join(f"{base / med[c][key]:>12.2f}" if med[c][key] > 0 else f"{'-':>12}" for c in CONFIGS[1:])
+        lines.append(f"| {label:<28} | {cells} | {ratios} |")
+    sizes = result["bytes"]
+    lines.append(
+        "checkpoint bytes on disk: " + ", ".join(f"{c}: {sizes.get(c, 0) / 2**20:.1f} MiB" for c in CONFIGS)
+    )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    args = parse()
+    if args.worker:
+        worker(args)
+        return 0
+    root = args.dir or tempfile.mkdtemp(prefix="bench_accelerate_")
+    os.makedirs(root, exist_ok=True)
+    result_path = os.path.join(root, "result.json")
+    script = os.path.abspath(__file__)
+    forwarded = [
+        "--worker", "--result", result_path, "--dir", root, "--params-mib", str(args.params_mib),
+        "--width", str(args.width), "--repeats", str(args.repeats),
+    ]  # fmt: skip
+    if args.nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}", script]
+    else:
+        cmd = [sys.executable, script]
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        subprocess.run(cmd + forwarded, check=True, env=env)
+        with open(result_path) as f:
+            result = json.load(f)
+    finally:
+        if args.dir is None:
+            shutil.rmtree(root, ignore_errors=True)
+    print(table(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

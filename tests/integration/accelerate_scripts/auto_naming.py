@@ -1,0 +1,165 @@
+"""Scenario script for tests/integration/test_accelerate.py (torchrun, any process count).
+
+Checks, asserting in-process, with an async attachment made BEFORE prepare:
+  1. ProjectConfiguration(automatic_checkpoint_naming=True, total_limit=2): three save_state()
+     calls, training and mutating between them, leave checkpoint_1 and checkpoint_2, each a
+     committed bytecheckpoint checkpoint with no Accelerate model/optimizer files.
+  2. load_state() with no argument resumes from the latest committed one (checkpoint_2) exactly,
+     skipping a newer torn folder.
+  3. load_state(<dir without a checkpoint>) raises bytecheckpoint.CheckpointError on every rank;
+     save_state twice into the same directory replaces the checkpoint.
+  4. handle.remove() restores Accelerate's default: the next save writes model.safetensors and
+     optimizer.bin and no bytecheckpoint/, and total_limit still prunes.
+  5. A re-attached accelerator loads that legacy (default-format) checkpoint via Accelerate.
+  6. end_training() right after an async save_state waits for its commit.
+Prints "AUTO_NAMING_OK" on success.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+
+import torch
+from torch import nn
+
+import bytecheckpoint as bcp
+from accelerate import Accelerator
+from accelerate.utils import ProjectConfiguration, set_seed
+
+from accelerate_bytecheckpoint import CHECKPOINT_SUBDIR, attach
+
+DEFAULT_FILES = {"model.safetensors", "pytorch_model.bin", "optimizer.bin"}
+
+
+def weights(accelerator, model) -> dict:
+    return {k: v.detach().clone() for k, v in accelerator.unwrap_model(model).state_dict().items()}
+
+
+def moments(opt) -> list:
+    return [s["exp_avg"].clone() for s in opt.optimizer.state.values()]
+
+
+def same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def main() -> int:
+    project_dir = sys.argv[1]
+    accelerator = Accelerator(
+        cpu=True,
+        project_config=ProjectConfiguration(project_dir=project_dir, automatic_checkpoint_naming=True, total_limit=2),
+    )
+    handle = attach(accelerator, async_save=True)  # before prepare: lists are read at save time
+    calls = []
+    accelerator.register_save_state_pre_hook(lambda models, weights_, d: calls.append(len(models)))
+    set_seed(0)
+    model = nn.Sequential(nn.Linear(8, 256), nn.ReLU(), nn.Linear(256, 8))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model, opt = accelerator.prepare(model, opt)
+    ckpts = os.path.join(project_dir, "checkpoints")
+
+    def step() -> None:
+        loss = model(torch.randn(4, 8)).pow(2).mean()
+        accelerator.backward(loss)
+        opt.step()
+        opt.zero_grad()
+
+    snaps = []
+    for _ in range(3):
+        step()
+        snaps.append((weights(accelerator, model), moments(opt)))
+        accelerator.save_state()  # async: returns after copy-out
+        step()  # mutate while the write may still be in flight
+    handle.wait()
+    accelerator.wait_for_everyone()
+    assert calls == [1, 1, 1], f"user hook registered after attach must see the real models: {calls}"
+    names = sorted(os.listdir(ckpts))
+    assert names == ["checkpoint_1", "checkpoint_2"], names
+    for name in names:
+        d = os.path.join(ckpts, name)
+        assert bcp.is_checkpoint(os.path.join(d, CHECKPOINT_SUBDIR)), f"{d} not committed"
+        assert not DEFAULT_FILES & set(os.listdir(d)), os.listdir(d)
+
+    # 2. resume from the latest committed checkpoint: a newer folder whose bytecheckpoint part
+    #    never committed (an async save cut short) is skipped
+    torn = os.path.join(ckpts, "checkpoint_7")
+    accelerator.wait_for_everyone()  # every rank has listed ckpts above
+    if accelerator.is_main_process:
+        os.makedirs(os.path.join(torn, CHECKPOINT_SUBDIR))
+        open(os.path.join(torn, "random_states_0.pkl"), "wb").close()
+    accelerator.wait_for_everyone()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    accelerator.load_state()
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        shutil.rmtree(torn)
+    w, m = snaps[-1]
+    assert same(weights(accelerator, model), w), "weights differ from the last save"
+    assert all(torch.equal(a, b) for a, b in zip(moments(opt), m)), "exp_avg differs from the last save"
+
+    # 3. a directory that is not a checkpoint: a clear error on every rank, no hang
+    empty = os.path.join(project_dir, "not_a_checkpoint")
+    os.makedirs(empty, exist_ok=True)
+    try:
+        accelerator.load_state(empty)
+    except bcp.CheckpointError as e:
+        assert "no bytecheckpoint checkpoint" in str(e), e
+    else:
+        raise AssertionError("load_state of an empty directory did not raise")
+    assert accelerator._models and accelerator._optimizers, "lists not restored after an error"
+    accelerator.wait_for_everyone()
+
+    # save_state into an existing directory replaces its checkpoint, as Accelerate does
+    fixed = os.path.join(project_dir, "fixed")
+    accelerator.project_configuration.automatic_checkpoint_naming = False
+    for _ in range(2):
+        step()
+        w = weights(accelerator, model)
+        accelerator.save_state(fixed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    accelerator.load_state(fixed)
+    assert same(weights(accelerator, model), w), "re-saved directory did not hold the last save"
+    accelerator.project_configuration.automatic_checkpoint_naming = True
+
+    # 4. remove() restores the default
+    handle.remove()
+    assert "save_state" not in vars(accelerator) and "load_state" not in vars(accelerator)
+    assert len(accelerator._save_model_state_pre_hook) == 1  # only the user's
+    newest = f"checkpoint_{accelerator.save_iteration}"  # save_state(fixed) counted too
+    accelerator.save_state()
+    accelerator.wait_for_everyone()
+    names = sorted(os.listdir(ckpts))
+    assert names == ["checkpoint_2", newest], names
+    files = set(os.listdir(os.path.join(ckpts, newest)))
+    assert {"model.safetensors", "optimizer.bin"} <= files and CHECKPOINT_SUBDIR not in files, files
+    legacy_w = weights(accelerator, model)
+
+    # 5. attached again: a default-format checkpoint still loads (through Accelerate)
+    handle = attach(accelerator)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    accelerator.load_state()
+    assert same(weights(accelerator, model), legacy_w), "legacy checkpoint not loaded"
+    handle.remove()
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        print("AUTO_NAMING_OK", flush=True)
+
+    # 6. an async save still in flight at end_training: the wrapped end_training waits for the
+    #    commit before destroying the process group (the test checks <project>/last is committed)
+    attach(accelerator, async_save=True)
+    accelerator.project_configuration.automatic_checkpoint_naming = False
+    accelerator.save_state(os.path.join(project_dir, "last"))
+    accelerator.end_training()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
