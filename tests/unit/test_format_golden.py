@@ -29,7 +29,7 @@ def test_layout_and_metadata(tmp_path):
     w = body["tensors"]["model/w"]
     name = f"model.w~{zlib.crc32(b'model/w'):08x}"
     assert w == {"dtype": "float32", "shape": [3, 4], "layout": "replicated", "holders": 1,
-                 "regions": [[[0, 0], [3, 4], f"{data_dir}/{name}", [0, 0], 0]]}
+                 "array": f"{data_dir}/{name}", "regions": [[[0, 0], [3, 4], 0]]}
     raw = (root / data_dir / name / "c" / "0" / "0").read_bytes()
     assert raw == torch.arange(12, dtype=torch.float32).numpy().tobytes()  # zarr "bytes" codec, little-endian
     arr = body["arrays"][f"{data_dir}/{name}"]
@@ -51,7 +51,7 @@ def test_arrays_open_with_tensorstore_alone(tmp_path):
     root = _save(tmp_path)
     body = json.loads((root / "metadata.json").read_text())
     for key, t in body["tensors"].items():
-        path = t["regions"][0][2]
+        path = t["array"]
         arr = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(root / path) + "/"}}).result()
         got = arr.read().result()
         if key == "model/w":
@@ -63,7 +63,7 @@ def test_arrays_open_with_tensorstore_alone(tmp_path):
 def test_metadata_checksum_detects_edits(tmp_path):
     root = _save(tmp_path)
     p = root / "metadata.json"
-    p.write_text(p.read_text().replace('"world_size": 1', '"world_size": 2'))
+    p.write_text(p.read_text().replace('"world_size":1', '"world_size":2'))
     try:
         bcp.load(root, {"model": {"w": torch.zeros(3, 4), "b": torch.zeros(3, dtype=torch.bfloat16)}, "step": 0})
     except bcp.MetadataError as exc:
