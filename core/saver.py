@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import atexit
+import sys
 import hashlib
 import logging
 import pickle
@@ -101,14 +102,18 @@ def _raise_finished_failures() -> None:
 
 @atexit.register
 def _wait_at_exit() -> None:
+    """Never exit with a save in flight, and never drop a background failure nobody waited for."""
     with _PENDING_LOCK:
-        n = sum(1 for h in _PENDING if not h.done())
-    if n:
-        log.warning("bytecheckpoint: waiting for %d async save(s) to finish before exit", n)
+        handles = list(_PENDING)
+    running = sum(1 for h in handles if not h.done())
+    if running:
+        sys.stderr.write(f"bytecheckpoint: waiting for {running} async save(s) to finish before exit\n")
+    for h in handles:
         try:
-            wait_pending()
-        except BaseException as exc:  # noqa: BLE001 - exiting anyway; say what happened
-            log.error("bytecheckpoint: async save failed at exit: %s", exc)
+            h.wait()
+        except BaseException as exc:  # noqa: BLE001 - exiting anyway: say loudly what was lost
+            sys.stderr.write(f"bytecheckpoint: ERROR: async save to {h.path!r} failed and was not committed: "
+                             f"{exc}\n")
 
 
 # ------------------------------------------------------------------ planning (collective)

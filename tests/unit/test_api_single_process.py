@@ -246,3 +246,17 @@ def test_async_background_failure_surfaces_on_next_save(tmp_path, monkeypatch):
     with pytest.raises(bcp.CheckpointError, match="disk on fire"):
         bcp.save(tmp_path / "z", {"t": torch.ones(2)})
     assert not bcp.is_checkpoint(tmp_path / "y")
+
+
+def test_unwaited_background_failure_is_reported_at_exit(tmp_path):
+    import subprocess
+    import sys
+    code = (
+        "import time, torch, bytecheckpoint as bcp, bytecheckpoint.saver as s\n"
+        "def boom(*a, **k): raise OSError('disk full (simulated)')\n"
+        "s._write_local = boom\n"
+        f"bcp.save({str(tmp_path / 'x')!r}, {{'w': torch.ones(3)}}, async_save=True)\n"
+        "time.sleep(0.5)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "failed and was not committed" in out.stderr and "disk full" in out.stderr
+    assert not bcp.is_checkpoint(tmp_path / "x")
