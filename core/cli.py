@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import List, Optional
 
@@ -40,18 +41,21 @@ def cmd_inspect(args) -> int:
     return 0
 
 
-def cmd_verify(args) -> int:
-    from .inspect import verify
-    show = sys.stderr.isatty()
-
-    def progress(done: int, total: int) -> None:
+def _bar(show: bool):
+    """A one-line progress bar on stderr when it is a terminal; a no-op otherwise."""
+    def progress(done: int, total: int, *_: object) -> None:
         if show and total:
             width = 30
             filled = int(width * done / total)
             sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {_human(done)}/{_human(total)}")
             sys.stderr.flush()
+    return progress
 
-    report = verify(args.path, progress=progress)
+
+def cmd_verify(args) -> int:
+    from .inspect import verify
+    show = sys.stderr.isatty()
+    report = verify(args.path, progress=_bar(show))
     if show:
         sys.stderr.write("\n")
     if report.ok:
@@ -61,6 +65,60 @@ def cmd_verify(args) -> int:
     for p in report.problems:
         print(f"  - {p}")
     return 1
+
+
+def cmd_export(args) -> int:
+    from .export import export_safetensors, push_to_hub
+    show = sys.stderr.isatty() and not args.json
+    result = export_safetensors(args.path, args.out, key=args.key, prefix=args.prefix,
+                                max_shard_size=args.max_shard_size, dtype=args.dtype, overwrite=args.overwrite,
+                                config_from=args.config_from, progress=_bar(show))
+    if show:
+        sys.stderr.write("\n")
+    if args.push_to_hub:
+        result.pushed_to = push_to_hub(args.out, args.push_to_hub, private=args.private or None)
+    if args.json:
+        print(json.dumps(result.__dict__, indent=1))
+        return 0
+    what = f"{len(result.files)} file(s)" + (f" + {result.index_file}" if result.index_file else "")
+    print(f"exported {result.tensors} tensors of {args.path!r} key {result.key!r} ({_human(result.total_size)}) "
+          f"to {args.out}: {what}")
+    for name in result.files:
+        print(f"  {name}")
+    if result.copied:
+        print(f"copied from {args.config_from}: {', '.join(result.copied)}")
+    elif "config.json" not in os.listdir(args.out):
+        print("no config.json in the output: add one (--config-from MODEL_DIR) before from_pretrained")
+    if result.pushed_to:
+        print(f"pushed to the Hugging Face Hub: {result.pushed_to}")
+    return 0
+
+
+def cmd_import(args) -> int:
+    from .export import import_safetensors
+    from .inspect import inspect
+    import_safetensors(args.hf_dir, args.out, key=args.key, dtype=args.dtype, overwrite=args.overwrite)
+    info = inspect(args.out)
+    print(f"imported {len(info.tensors)} tensors ({_human(info.nbytes)}) from {args.hf_dir} into {args.out} under "
+          f"key {args.key!r}; load with bcp.load({args.out!r}, {{{args.key!r}: model}}) on any number of ranks")
+    return 0
+
+
+def _size(text: str) -> str:
+    from .export import parse_size
+    try:
+        parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _dtype(text: str) -> str:
+    from .export import parse_dtype
+    try:
+        return parse_dtype(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,6 +131,38 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("verify", help="check every checksum; exit 0 only when intact")
     s.add_argument("path")
     s.set_defaults(func=cmd_verify)
+
+    s = sub.add_parser("export", help="write Hugging Face safetensors (streaming, sharded like save_pretrained)",
+                       description="Write the tensors of one key (default: 'model', or the only module state "
+                                   "dict) as model.safetensors or model-0000k-of-0000n.safetensors + "
+                                   "model.safetensors.index.json, named as in model.state_dict().")
+    s.add_argument("path", help="checkpoint (directory or URL)")
+    s.add_argument("out", help="output directory (local)")
+    s.add_argument("--to", choices=["safetensors"], default="safetensors", help="output format")
+    s.add_argument("--key", help="top-level key (or key path) holding the state dict; default: 'model' if "
+                                 "present, else the only one that holds a module state dict")
+    s.add_argument("--prefix", help="keep only names starting with PREFIX and strip it (e.g. 'model.' for a "
+                                    "LightningModule whose network is self.model)")
+    s.add_argument("--max-shard-size", type=_size, default="5GB",
+                   help="largest output file (5GB, 500MB, 2GiB, bytes); default 5GB")
+    s.add_argument("--dtype", type=_dtype, help="convert floating-point tensors (bf16, fp16, fp32)")
+    s.add_argument("--config-from", metavar="MODEL_DIR",
+                   help="copy config.json (and tokenizer files) from a Hugging Face model folder or a config file")
+    s.add_argument("--overwrite", action="store_true", help="replace the weights in an existing output directory")
+    s.add_argument("--push-to-hub", metavar="REPO_ID", help="then upload the folder to the Hugging Face Hub")
+    s.add_argument("--private", action="store_true", help="with --push-to-hub: create the repo private")
+    s.add_argument("--json", action="store_true", help="machine-readable summary")
+    s.set_defaults(func=cmd_export)
+
+    s = sub.add_parser("import", help="Hugging Face safetensors (single or sharded) -> a bytecheckpoint checkpoint",
+                       description="Save the tensors of a safetensors file or model folder under KEY, so that "
+                                   "bcp.load(OUT, {KEY: model}) loads them into any layout and world size.")
+    s.add_argument("hf_dir", metavar="HF_DIR", help="model folder (model.safetensors or a sharded index) or a file")
+    s.add_argument("out", help="checkpoint to create (directory or URL)")
+    s.add_argument("--key", default="model", help="top-level key for the tensors (default: model)")
+    s.add_argument("--dtype", type=_dtype, help="convert floating-point tensors (bf16, fp16, fp32)")
+    s.add_argument("--overwrite", action="store_true", help="replace an existing checkpoint / non-empty directory")
+    s.set_defaults(func=cmd_import)
     return p
 
 
@@ -80,6 +170,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except CheckpointError as exc:
+    except (CheckpointError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
