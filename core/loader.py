@@ -201,13 +201,16 @@ def load(path, state: Dict[str, Any], *, process_group=None, strict: bool = True
         return target_view(flat.tensors[r.key].pieces[r.piece].tensor, r.target_box)
 
     needs = chunk_needs(md, reads, [dest_of(r) for r in reads])
-    shared = zero_redundancy.plan_shared(comm, md, list(needs))
-    comm.run(lambda: zero_redundancy.read_assigned(comm, store, md, shared, stats),
-             f"reading shared data of {store.url!r}")
+    shared = zero_redundancy.plan_shared(comm, md, zero_redundancy.whole_chunks(md, needs))
+
+    def read_local():  # this rank's share of the shared chunks, then the chunks only it needs
+        zero_redundancy.read_assigned(comm, store, md, shared, stats)
+        read_chunks(store, md, shared.local_needs(needs), stats, "loading")
+
+    comm.run(read_local, f"reading {store.url!r}")
     zero_redundancy.exchange(comm, md, shared, needs, stats)
 
     def read_all():
-        read_chunks(store, md, shared.local_needs(needs), stats, "loading")
         if flat.setters or flat.subtrees:
             objects = read_objects(store, md, comm.rank, allow_pickle)
             for key, assign in flat.setters.items():

@@ -301,6 +301,7 @@ def save(path, state: Dict[str, Any], *, async_save: bool = False, process_group
             pool.release(slot)
 
     handle._future = _executor().submit(job)
+    _executor().submit(pool.warm, slot)  # after the write, off the training thread: pre-fault the other slot
     handle.stats["stall_s"] = time.perf_counter() - t0
     with _PENDING_LOCK:
         _PENDING.append(handle)

@@ -71,6 +71,22 @@ class StagingPool:
             del slot.buffers[key]
         return out
 
+    def warm(self, like: Slot) -> None:
+        """Give every idle slot buffers shaped like `like`'s (called in the background after a
+        write), so the next save's copy lands in pre-faulted memory instead of fresh pages."""
+        for slot in self._slots:
+            with self._cond:
+                if slot is like or slot.busy:
+                    continue
+                slot.busy = True
+            try:
+                for key, buf in list(like.buffers.items()):
+                    have = slot.buffers.get(key)
+                    if have is None or have.shape != buf.shape or have.dtype != buf.dtype:
+                        slot.buffers[key] = _new_buffer(buf)
+            finally:
+                self.release(slot)
+
     def _side_stream(self):
         if self._stream is None:
             self._stream = torch.cuda.Stream()
@@ -84,7 +100,7 @@ class StagingPool:
 
 
 def _new_buffer(like: torch.Tensor) -> torch.Tensor:
-    pin = like.is_cuda and torch.cuda.is_available()
+    pin = (like.is_cuda or like.is_pinned()) and torch.cuda.is_available()
     buf = torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=pin)
     if buf.numel():
         buf.zero_()  # pre-fault the pages now, not inside the first timed copy

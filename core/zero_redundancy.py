@@ -39,8 +39,28 @@ class SharedPlan:
         return {q: parts for q, parts in needs.items() if q not in shared}
 
 
+def whole_chunks(md: Metadata, needs: Dict[ChunkRef, Any]) -> List[ChunkRef]:
+    """The chunks this rank needs entirely. Only those are shared: a chunk that several ranks need
+    *parts* of (a resharding boundary) is cheaper to read twice than to broadcast to everyone."""
+    out = []
+    for (array, index), parts in needs.items():
+        meta = md.arrays[array]
+        full = 1
+        for c in meta.chunks:
+            full *= c
+        got = 0
+        for part, _ in parts:
+            n = 1
+            for x in part[1]:
+                n *= x
+            got += n
+        if got >= full:
+            out.append((array, index))
+    return out
+
+
 def plan_shared(comm: Comm, md: Metadata, refs: Sequence[ChunkRef]) -> SharedPlan:
-    """Collective: agree on who reads each chunk that 2+ ranks need."""
+    """Collective: agree on who reads each chunk that 2+ ranks need whole (see whole_chunks)."""
     plan = SharedPlan()
     if not ENABLED or not comm.enabled or comm.world_size == 1:
         return plan

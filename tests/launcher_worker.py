@@ -17,7 +17,10 @@ def main() -> None:
         getattr(importlib.import_module(module), func)(**json.loads(os.environ.get("BCP_TEST_ARGS", "{}")))
     finally:
         if world > 1 and dist.is_initialized():
-            dist.destroy_process_group()
+            try:
+                dist.barrier()  # no rank tears gloo down while a peer is still sending
+            finally:
+                dist.destroy_process_group()
 
 
 if __name__ == "__main__":
