@@ -13,14 +13,12 @@ def main() -> None:
     world = int(os.environ["WORLD_SIZE"])
     if world > 1:
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-    try:
-        getattr(importlib.import_module(module), func)(**json.loads(os.environ.get("BCP_TEST_ARGS", "{}")))
-    finally:
-        if world > 1 and dist.is_initialized():
-            try:
-                dist.barrier()  # no rank tears gloo down while a peer is still sending
-            finally:
-                dist.destroy_process_group()
+    getattr(importlib.import_module(module), func)(**json.loads(os.environ.get("BCP_TEST_ARGS", "{}")))
+    # Success only: a failing rank exits at once (the launcher then kills its peers).
+    if dist.is_initialized():
+        if dist.get_world_size() > 1:
+            dist.barrier()  # no rank tears gloo down while a peer is still sending
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
