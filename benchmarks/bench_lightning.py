@@ -1,0 +1,163 @@
+"""Training-step stall per checkpoint in a Lightning Trainer: ByteCheckpointIO vs Lightning's own.
+
+Same model (an MLP, Adam), same data, same disk, one process on CPU; four CheckpointIO plugins:
+  torch       Lightning's default TorchCheckpointIO (torch.save on the training thread)
+  torch async AsyncCheckpointIO(TorchCheckpointIO) (clones tensors, torch.save in a thread)
+  bcp sync    ByteCheckpointIO()
+  bcp async   ByteCheckpointIO(async_save=True)   (returns after the copy into staging buffers)
+
+A callback calls trainer.save_checkpoint every --every steps (to a new path each time) and
+times the call: that is the stall the training loop sees. "overhead" is the whole fit's extra
+wall time over the same fit without checkpoints, per checkpoint: it also counts background
+writes competing with training for the CPU, waits for an earlier save, and the final wait in
+teardown. Each configuration runs in a fresh process, --repeats times; medians are printed with
+the ratio torch / configuration (> 1 means less stall than Lightning's default).
+
+    .venv/bin/python benchmarks/bench_lightning.py                    # ~64 MiB params (+2x Adam)
+    .venv/bin/python benchmarks/bench_lightning.py --params-mib 256 --repeats 5
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+CONFIGS = ("torch", "torch async", "bcp sync", "bcp async")
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--params-mib", type=float, default=64.0, help="fp32 parameter bytes (Adam adds 2x)")
+    p.add_argument("--width", type=int, default=1024)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--checkpoints", type=int, default=8, help="checkpoints per fit")
+    p.add_argument("--every", type=int, default=3, help="training steps between checkpoints")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dir", default=None, help="where checkpoints go (default: a temp dir)")
+    p.add_argument("--json", default=None, help="also write the results here")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    return p.parse_args()
+
+
+def worker(args: argparse.Namespace) -> dict:
+    import lightning.pytorch as pl
+    import torch
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_bytecheckpoint import ByteCheckpointIO
+
+    plugins = {
+        "torch": lambda: TorchCheckpointIO(),
+        "torch async": lambda: AsyncCheckpointIO(TorchCheckpointIO()),
+        "bcp sync": lambda: ByteCheckpointIO(),
+        "bcp async": lambda: ByteCheckpointIO(async_save=True),
+    }
+    layers = max(1, round(args.params_mib * 2**20 / 4 / (args.width * args.width + args.width)))
+
+    class MLP(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Sequential(*[torch.nn.Linear(args.width, args.width) for _ in range(layers)])
+
+        def training_step(self, batch, batch_idx):
+            return self.net(batch[0]).square().mean()
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), lr=1e-4)
+
+    class SaveEvery(pl.Callback):
+        def __init__(self, folder: str | None) -> None:
+            self.folder, self.stalls = folder, []
+
+        def on_train_batch_end(self, trainer, *_):
+            if self.folder and trainer.global_step % args.every == 0:
+                t0 = time.perf_counter()
+                trainer.save_checkpoint(os.path.join(self.folder, f"step={trainer.global_step}.ckpt"))
+                self.stalls.append(time.perf_counter() - t0)
+
+    steps = args.every * args.checkpoints + 2  # +2: the last save overlaps some training too
+    data = TensorDataset(torch.randn(args.batch * steps, args.width))
+
+    def fit(folder: str | None) -> tuple[float, list[float]]:
+        pl.seed_everything(0, verbose=False)
+        cb = SaveEvery(folder)
+        trainer = pl.Trainer(
+            accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, callbacks=[cb],
+            plugins=[plugins[args.worker]()] if folder else None,
+        )
+        t0 = time.perf_counter()
+        trainer.fit(MLP(), DataLoader(data, batch_size=args.batch))  # includes teardown's final wait
+        return time.perf_counter() - t0, cb.stalls
+
+    fit(None)  # warm-up: allocator, kernels, page cache
+    base, _ = fit(None)
+    folder = tempfile.mkdtemp(dir=args.dir)
+    try:
+        total, stalls = fit(folder)
+        size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(folder) for f in fs)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    return {"stall_s": statistics.median(stalls), "stalls": stalls, "overhead_s": (total - base) / len(stalls),
+            "step_s": base / steps, "ckpt_mib": size / len(stalls) / 2**20, "layers": layers}
+
+
+def main() -> None:
+    args = parse()
+    if args.worker:
+        print("RESULT " + json.dumps(worker(args)))
+        return
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    results: dict[str, list[dict]] = {c: [] for c in CONFIGS}
+    for r in range(args.repeats):
+        for config in CONFIGS:  # interleaved, so drifting machine load hits all alike
+            cmd = [sys.executable, __file__, "--worker", config] + _forward(args)
+            out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+            line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
+            if out.returncode or not line:
+                sys.exit(f"{config} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+            results[config].append(json.loads(line[0][7:]))
+            print(f"  repeat {r + 1}/{args.repeats} {config:12s} stall {results[config][-1]['stall_s']:.3f}s",
+                  file=sys.stderr)
+
+    med = {c: {k: statistics.median(x[k] for x in results[c]) for k in ("stall_s", "overhead_s", "step_s", "ckpt_mib")}
+           for c in CONFIGS}
+    ref = med["torch"]
+    first = results["torch"][0]
+    print(f"\nLightning checkpoint stall: MLP {first['layers']}x{args.width}^2 (~{args.params_mib:.0f} MiB fp32 params"
+          f" + Adam), batch {args.batch}, 1 CPU process, a checkpoint every {args.every} steps,"
+          f" {args.checkpoints} per fit, median of {args.repeats} runs; ratio = torch / config\n")
+    print(f"| plugin      | ckpt MiB | step s | stall s/ckpt | ratio | overhead s/ckpt | ratio |")
+    print(f"|-------------|---------:|-------:|-------------:|------:|----------------:|------:|")
+    for c in CONFIGS:
+        m = med[c]
+        print(f"| {c:11s} | {m['ckpt_mib']:8.1f} | {m['step_s']:6.3f} | {m['stall_s']:12.3f} | "
+              f"{ref['stall_s'] / m['stall_s']:5.2f} | {m['overhead_s']:15.3f} | "
+              f"{_ratio(ref['overhead_s'], m['overhead_s'])} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "runs": results, "median": med}, f, indent=1)
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:5.2f}" if b > 1e-3 else "  inf"
+
+
+def _forward(args: argparse.Namespace) -> list[str]:
+    out = []
+    for name in ("params_mib", "width", "batch", "checkpoints", "every"):
+        out += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    if args.dir:
+        out += ["--dir", args.dir]
+    return out
+
+
+if __name__ == "__main__":
+    main()
