@@ -96,7 +96,8 @@ class PosixChunkIO:
         try:
             with open(self._path(key), "rb") as f:
                 if os.fstat(f.fileno()).st_size != len(view):
-                    raise OSError(f"chunk {key} has the wrong size; the checkpoint is damaged")
+                    from ..errors import CorruptCheckpointError
+                    raise CorruptCheckpointError(f"chunk {key} has the wrong size; the checkpoint is damaged")
                 f.readinto(view)
         except FileNotFoundError:
             return None
@@ -105,5 +106,6 @@ class PosixChunkIO:
 
 def chunk_io_for(store) -> object:
     if store.scheme == "file" and os.environ.get("BCP_FILE_IO", "posix") != "tensorstore":
-        return PosixChunkIO(store.local_root)
+        from . import faults  # test-only fault injection; a no-op unless configured
+        return faults.wrap_chunk_io(PosixChunkIO(store.local_root))
     return KvChunkIO(store.kv)

@@ -202,7 +202,10 @@ def read_whole_into(io, meta: ArrayMeta, index: Sequence[int], parts, what: str)
     part, dest = parts[0]
     if tuple(part[1]) != tuple(meta.chunks) or not dest.is_contiguous() or dest.is_cuda:
         return None
-    crc = io.read_into(chunk_key(meta.path, index), dest)
+    try:
+        crc = io.read_into(chunk_key(meta.path, index), dest)
+    except OSError as exc:  # a failed read is a clean, named error on every path (not a bare OSError)
+        raise CheckpointError(f"reading {what} ({chunk_key(meta.path, index)}) failed: {exc}") from exc
     if crc is None:
         raise CorruptCheckpointError(f"{what}: chunk {chunk_key(meta.path, index)} is missing; the checkpoint "
                                      f"is damaged")

@@ -154,13 +154,17 @@ class Store:
     def delete_prefix(self, prefix: str) -> None:
         if not prefix:
             raise CheckpointError("refusing to delete an empty prefix (the whole store)")
+        _check_key_inside(prefix, self.url)
         try:
             self.kv.delete_range(ts.KvStore.KeyRange(inclusive_min=prefix,
                                                      exclusive_max=_prefix_end(prefix))).result()
         except ValueError as exc:
             raise classify(exc, f"deleting {self._where(prefix)}", self.url) from exc
         if self.scheme == "file":  # the file driver leaves empty directories behind
-            shutil.rmtree(os.path.join(self.local_root, prefix), ignore_errors=True)
+            target = os.path.realpath(os.path.join(self.local_root, prefix))
+            root = os.path.realpath(self.local_root)
+            if os.path.commonpath([target, root]) == root and target != root:
+                shutil.rmtree(target, ignore_errors=True)
 
     def remove_root(self) -> None:
         """Delete everything under the root (and the directory itself for local paths)."""
@@ -212,6 +216,15 @@ class Store:
 
     def create_array_metadata(self, meta: ArrayMeta) -> None:
         self.array(meta, create=True)
+
+
+def _check_key_inside(key: str, url: str) -> None:
+    """A key (or prefix) names something inside the checkpoint root: relative, no '.'/'..' parts.
+    Keys that reach deletes may come from a metadata file, which is untrusted input."""
+    parts = key.rstrip("/").split("/")
+    if key.startswith(("/", "\\")) or "\\" in key or "\x00" in key or any(p in ("", ".", "..") for p in parts):
+        raise CheckpointError(f"{url!r}: refusing to touch {key!r}: not a path inside the checkpoint (the "
+                              f"metadata that named it is damaged or hostile)")
 
 
 def _probe_bucket(kv: ts.KvStore, url: str) -> None:
