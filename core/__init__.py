@@ -12,11 +12,12 @@ from .saver import SaveHandle, save, wait_pending
 from .loader import load, load_full, last_load_stats
 from .inspect import CheckpointInfo, TensorInfo, delete, inspect, is_checkpoint, verify
 from .metadata import FORMAT_VERSION
+from .retention import RetentionReport, keep_last
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "save", "load", "load_full", "inspect", "verify", "is_checkpoint", "delete", "wait_pending",
+    "save", "load", "load_full", "keep_last", "RetentionReport", "inspect", "verify", "is_checkpoint", "delete", "wait_pending",
     "Shard", "FlatShard", "SaveHandle", "CheckpointInfo", "TensorInfo", "last_load_stats", "FORMAT_VERSION",
     "CheckpointError", "CheckpointExistsError", "CheckpointNotFoundError", "CorruptCheckpointError",
     "FormatVersionError", "IncompleteCheckpointError", "MetadataError", "RemoteRankError", "ShardLayoutError",

@@ -51,6 +51,7 @@ def write_metadata(store: Store, full: SavePlan, save_id: str, data_dir: str, wo
               "bytes_per_rank": list(full.bytes_per_rank)},
     )
     if not store.write_bytes(METADATA_FILE, md.to_json(), only_if_absent=not overwrite, durable=True):
+        store.delete_prefix(data_dir + "/")  # the losing job leaves nothing behind
         raise CheckpointExistsError(f"another job committed a checkpoint to {store.url!r} while this save was "
                                     f"running; this save was discarded and theirs is intact")
     if old_data and old_data != data_dir:

@@ -7,6 +7,8 @@ its target as soon as it arrives. Bytes that several ranks need are read once an
 """
 from __future__ import annotations
 
+import math
+import os
 import zlib
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -17,7 +19,7 @@ from .comm import Comm
 from .errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError,
                      StateMismatchError)
 from .flatten import Flat, build_from_structure, find_subtree, flatten_for_load, join, structure_leaves
-from .metadata import METADATA_FILE, Metadata, TensorMeta
+from .metadata import METADATA_FILE, Metadata, TensorMeta, dtype_itemsize
 from .planner import ReadItem, TargetSpec, check_targets, plan_load
 from .regions import volume
 from .saver import DATA_PREFIX, dtype_name
@@ -115,6 +117,10 @@ def read_full_tensors(store: Store, md: Metadata, keys: Sequence[str]) -> Dict[s
     targets = []
     for key in keys:
         meta = md.tensors[key]
+        stored = sum(math.prod(r.lengths) for r in meta.regions) * max(1, dtype_itemsize(meta.dtype))
+        if meta.nbytes > stored or meta.nbytes > _physical_memory():
+            raise CheckpointError(f"tensor {key!r}: metadata claims shape {list(meta.shape)} ({meta.nbytes} bytes), "
+                                  f"more than is stored or fits in memory; the checkpoint is damaged")
         t = torch.empty(meta.shape, dtype=torch_dtype(meta.dtype))
         out[key] = t
         targets.append(TargetSpec(key, meta.dtype, meta.shape, (((0,) * len(meta.shape), meta.shape),)))
@@ -123,6 +129,13 @@ def read_full_tensors(store: Store, md: Metadata, keys: Sequence[str]) -> Dict[s
         dest.append(target_view(out[r.key], r.target_box))
     read_chunks(store, md, chunk_needs(md, reads, dest), LoadStats(), "reading")
     return out
+
+
+def _physical_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 62
 
 
 def read_objects(store: Store, md: Metadata, rank: int, allow_pickle: bool) -> Dict[str, Any]:
@@ -213,7 +226,11 @@ def load(path, state: Dict[str, Any], *, process_group=None, strict: bool = True
     def read_all():
         if flat.setters or flat.subtrees:
             objects = read_objects(store, md, comm.rank, allow_pickle)
+            saved = structure_leaves(md.structure)
             for key, assign in flat.setters.items():
+                if saved.get(key) == "object" and key not in objects:
+                    raise CorruptCheckpointError(f"{store.url!r}: plain value {key!r} is listed in the metadata but "
+                                                 f"missing from its rank file; the checkpoint is damaged")
                 if key in objects:
                     assign(objects[key])
                 else:  # saved as a nested container where the target holds a plain value

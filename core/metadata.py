@@ -107,7 +107,7 @@ class Metadata:
     def from_json(raw: bytes, where: str = "metadata") -> "Metadata":
         try:
             body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
             raise MetadataError(f"{where}: not valid JSON ({exc}); the file is damaged") from None
         return _parse(body, where)
 
@@ -191,13 +191,16 @@ def _parse(body: Any, where: str) -> Metadata:
         w = f"{where}.arrays[{path!r:.60}]"
         safe_relative_path(path, w)
         _expect(isinstance(a, dict) and a.get("path") == path, w, "array entry malformed")
-        _expect(a.get("dtype") in DTYPES, w, f"unknown dtype {a.get('dtype')!r:.40}")
+        _expect(isinstance(a.get("dtype"), str) and a["dtype"] in DTYPES, w, f"unknown dtype {a.get('dtype')!r:.40}")
         shape = _ints(a.get("shape"), w)
         chunks = _ints(a.get("chunks"), w, len(shape))
         _expect(math.prod(shape) <= MAX_ELEMENTS and all(c >= 1 for c in chunks), w, "absurd shape or chunks")
         sums = a.get("checksums", {})
         _expect(isinstance(sums, dict) and all(isinstance(k, str) and len(k) < 256 for k in sums), w,
                 "checksums malformed")
+        # every chunk has a checksum: bounds the chunk count by the metadata's own size
+        n_chunks = math.prod(-(-s // c) for s, c in zip(shape, chunks)) if shape else 1
+        _expect(n_chunks == len(sums), w, f"{n_chunks} chunks but {len(sums)} checksums")
         arrays[path] = ArrayMeta(path, shape, chunks, a["dtype"],
                                  {k: _int(v, w, 0, (1 << 32) - 1) for k, v in sums.items()})
 
@@ -207,7 +210,7 @@ def _parse(body: Any, where: str) -> Metadata:
     for key, t in tensors_raw.items():
         w = f"{where}.tensors[{key!r:.60}]"
         _expect(isinstance(t, dict), w, "entry is not an object")
-        _expect(t.get("dtype") in DTYPES, w, f"unknown dtype {t.get('dtype')!r:.40}")
+        _expect(isinstance(t.get("dtype"), str) and t["dtype"] in DTYPES, w, f"unknown dtype {t.get('dtype')!r:.40}")
         shape = _ints(t.get("shape"), w)
         _expect(math.prod(shape) <= MAX_ELEMENTS, w, "absurd shape")
         _expect(t.get("layout") in ("replicated", "sharded", "flat"), w, "bad layout")
@@ -239,4 +242,28 @@ def _parse(body: Any, where: str) -> Metadata:
                                       _int(o.get("nbytes"), w, 0, 1 << 40), _int(o.get("crc32"), w, 0, (1 << 32) - 1)))
     info = body.get("info", {})
     _expect(isinstance(info, dict), where, "info is not an object")
+    if "data_dir" in info:
+        _expect(isinstance(info["data_dir"], str) and re.fullmatch(r"data-[A-Za-z0-9_-]{1,64}", info["data_dir"])
+                is not None, where, "bad data_dir")
+    _check_structure(body.get("structure"), tensors, where)
     return Metadata(version, save_id, world, tensors, arrays, tuple(objects), body.get("structure"), info)
+
+
+def _check_structure(node: Any, tensors: Mapping[str, TensorMeta], where: str, depth: int = 0) -> None:
+    """The nesting tree: {"dict": [[key, node]...]}, {"list"|"tuple": [...]}, {"tensor": key},
+    {"object": key}; tensor leaves must name saved tensors."""
+    _expect(depth < 256 and isinstance(node, dict) and len(node) == 1, where, "structure malformed")
+    kind, body = next(iter(node.items()))
+    if kind == "dict":
+        _expect(isinstance(body, list) and all(isinstance(kv, list) and len(kv) == 2 for kv in body), where,
+                "structure malformed")
+        for _, child in body:
+            _check_structure(child, tensors, where, depth + 1)
+    elif kind in ("list", "tuple"):
+        _expect(isinstance(body, list), where, "structure malformed")
+        for child in body:
+            _check_structure(child, tensors, where, depth + 1)
+    elif kind == "tensor":
+        _expect(isinstance(body, str) and body in tensors, where, f"structure names unknown tensor {body!r:.60}")
+    else:
+        _expect(kind == "object" and isinstance(body, str), where, "structure malformed")

@@ -68,10 +68,6 @@ def test_two_jobs_one_path_on_s3(seaweed, tmp_path, round_):
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.xfail(strict=True, reason="core/commit.py write_metadata: when the conditional commit loses, the "
-                                       "losing job's data directory (data-<its save id>/) is left behind; delete "
-                                       "it (store.delete_prefix(data_dir + '/')) before raising "
-                                       "CheckpointExistsError")
 def test_losing_job_leaves_no_data_behind(tmp_path):
     path = str(tmp_path / "shared")
     race(path, 1, tmp_path)
