@@ -5,7 +5,6 @@ any rank into one error raised on every rank (no rank is left waiting in a colle
 """
 from __future__ import annotations
 
-import traceback
 from typing import Any, Callable, List, Optional, Sequence, Tuple, TypeVar
 
 import torch

@@ -15,13 +15,12 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 
 from . import codec, commit
 from .comm import Comm
 from .errors import CheckpointError, CheckpointExistsError
 from .flatten import Flat, TensorEntry, flatten_for_save
-from .metadata import (DTYPES, FORMAT_VERSION, METADATA_FILE, ArrayMeta, Metadata, ObjectFileMeta, RegionMeta,
+from .metadata import (DTYPES, METADATA_FILE, ArrayMeta, Metadata, ObjectFileMeta,
                        TensorMeta)
 from .planner import RankManifest, SavePlan, TensorManifest, WriteItem, plan_save
 from .regions import relative
