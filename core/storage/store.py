@@ -1,7 +1,8 @@
 """Store: every tensorstore call of the library goes through here.
 
-One Context per process (all concurrency limits), a root KvStore for small objects
-(metadata, per-rank values) and zarr v3 arrays for tensor data.
+One Context per process (all concurrency limits) and a root KvStore for small objects
+(metadata, per-rank values, markers), listing and deleting. Tensor chunks move through
+chunks.py / chunk_io.py, which use this Store's kvstore.
 """
 from __future__ import annotations
 
@@ -10,17 +11,14 @@ import os
 import shutil
 import tempfile
 import threading
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, List, Mapping, Optional
 
-import numpy as np
 import tensorstore as ts
-import torch
 
-from ..errors import CheckpointError, CorruptCheckpointError
-from ..metadata import ArrayMeta
+from ..errors import CheckpointError
 from . import faults
 from .errors import StorageError, classify
-from .specs import context_spec, kvstore_spec, split_url, static_credentials_files, zarr_spec
+from .specs import context_spec, kvstore_spec, split_url, static_credentials_files
 
 try:
     import ctypes
@@ -32,14 +30,6 @@ except OSError:  # pragma: no cover - non-glibc platforms fall back to os.sync
 _CONTEXT_LOCK = threading.Lock()
 _CONTEXT: Optional[ts.Context] = None
 
-# torch dtype -> (same-width integer dtype for the bit-level view, tensorstore dtype)
-_UINT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_EXOTIC = {torch.bfloat16: ts.bfloat16}
-for _name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"):
-    if hasattr(torch, _name):
-        _EXOTIC[getattr(torch, _name)] = getattr(ts, _name)
-
-
 def shared_context() -> ts.Context:
     """Process-wide context so that the memory:// store and the I/O limits are shared."""
     global _CONTEXT
@@ -47,20 +37,6 @@ def shared_context() -> ts.Context:
         if _CONTEXT is None:
             _CONTEXT = ts.Context(context_spec())
         return _CONTEXT
-
-
-def to_numpy(t: torch.Tensor) -> np.ndarray:
-    """A numpy view of a CPU tensor's bytes, typed so tensorstore stores the right dtype."""
-    if t.dtype in _EXOTIC:
-        return t.view(_UINT_OF_WIDTH[t.element_size()]).numpy().view(_EXOTIC[t.dtype].numpy_dtype)
-    return t.numpy()
-
-
-def from_numpy(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-    if dtype in _EXOTIC:
-        a = a.view(np.dtype(f"int{a.dtype.itemsize * 8}") if a.dtype.itemsize > 1 else np.uint8)
-        return torch.from_numpy(a).view(dtype)
-    return torch.from_numpy(a)
 
 
 class Store:
@@ -73,8 +49,6 @@ class Store:
         self.kv_spec = kvstore_spec(self.url, storage_options, secrets_dir=secrets)
         self.context = shared_context()
         self._kv: Optional[ts.KvStore] = None
-        self._arrays: Dict[Tuple[str, bool], Any] = {}
-        self._lock = threading.Lock()
 
     # ------------------------------------------------------------ small objects
     @property
@@ -184,40 +158,6 @@ class Store:
     def _where(self, key: str) -> str:
         return f"{self.url.rstrip('/')}/{key}"
 
-    # ------------------------------------------------------------ tensor arrays
-    def array(self, meta: ArrayMeta, *, create: bool = False):
-        """Open (cached) a zarr array; create=True also writes its zarr.json."""
-        cache_key = (meta.path, create)
-        with self._lock:
-            handle = self._arrays.get(cache_key)
-        if handle is not None:
-            return handle
-        spec = zarr_spec(self.kv_spec, meta)
-        if create:
-            # Never delete_existing: other ranks may already have written chunks of this array.
-            fut = ts.open(spec, context=self.context, create=True, open=True)
-        else:
-            # Writers and readers trust the metadata we recorded ourselves: no zarr.json round trip.
-            fut = ts.open(spec, context=self.context, open=True, assume_metadata=True)
-        handle = fut.result()
-        with self._lock:
-            self._arrays[cache_key] = handle
-        return handle
-
-    def write_region(self, meta: ArrayMeta, array_offsets: Sequence[int], data: np.ndarray):
-        """Start writing `data` at `array_offsets`; returns tensorstore WriteFutures."""
-        arr = self.array(meta)
-        index = tuple(slice(o, o + n) for o, n in zip(array_offsets, data.shape))
-        return arr[index].write(data) if index else arr.write(data)
-
-    def read_region(self, meta: ArrayMeta, index: Tuple[slice, ...]):
-        arr = self.array(meta)
-        return arr[index].read() if index else arr.read()
-
-    def create_array_metadata(self, meta: ArrayMeta) -> None:
-        self.array(meta, create=True)
-
-
 def _check_key_inside(key: str, url: str) -> None:
     """A key (or prefix) names something inside the checkpoint root: relative, no '.'/'..' parts.
     Keys that reach deletes may come from a metadata file, which is untrusted input."""
@@ -268,11 +208,3 @@ def _write_static_credentials(options: Optional[Mapping[str, Any]]) -> Optional[
 
 def _prefix_end(prefix: str) -> str:
     return prefix[:-1] + chr(ord(prefix[-1]) + 1)
-
-
-def raise_read_error(exc: Exception, what: str) -> None:
-    msg = str(exc)
-    if "Digest mismatch" in msg or "checksum" in msg.lower():
-        raise CorruptCheckpointError(f"{what}: stored bytes fail their crc32c checksum ({msg}); "
-                                     f"the checkpoint is damaged") from exc
-    raise CheckpointError(f"{what}: read failed: {msg}") from exc
