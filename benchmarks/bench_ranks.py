@@ -122,6 +122,16 @@ def check_equal(a, b):
         assert torch.equal(x, y), k
 
 
+def time_loads(state, root: str, rep: int, results: Dict[str, List[float]]) -> None:
+    """Load repetition `rep`'s bcp and dcp checkpoints into zeroed copies of `state`, timed and checked."""
+    tgt = zeros_like_state(state)
+    results["bcp_load"].append(timed(lambda: bcp.load(f"{root}/bcp_{rep}", tgt)))
+    check_equal(state, tgt)
+    tgt = zeros_like_state(state)
+    results["dcp_load"].append(timed(lambda: dcp.load(tgt, checkpoint_id=f"{root}/dcp_{rep}")))
+    check_equal(state, tgt)
+
+
 # ------------------------------------------------------------------ save / stall / same-layout load
 
 def save_and_load(root: str, mib: int, reps: int):
@@ -166,12 +176,7 @@ def save_and_load(root: str, mib: int, reps: int):
         results["memcpy"].append(timed(memcpy))
 
         # loads (same layout) of what this repetition wrote
-        tgt = zeros_like_state(state)
-        results["bcp_load"].append(timed(lambda: bcp.load(f"{root}/bcp_{rep}", tgt)))
-        check_equal(state, tgt)
-        tgt = zeros_like_state(state)
-        results["dcp_load"].append(timed(lambda: dcp.load(tgt, checkpoint_id=f"{root}/dcp_{rep}")))
-        check_equal(state, tgt)
+        time_loads(state, root, rep, results)
 
         def tload():
             if rank == 0:
@@ -217,12 +222,7 @@ def resharded_load(root: str, mib: int, rep: int):
     state = llm_like_state(world, mib, sharded=True)
     results = {"bcp_load": [], "dcp_load": []}
     for _ in range(2):
-        tgt = zeros_like_state(state)
-        results["bcp_load"].append(timed(lambda: bcp.load(f"{root}/bcp_{rep}", tgt)))
-        check_equal(state, tgt)
-        tgt = zeros_like_state(state)
-        results["dcp_load"].append(timed(lambda: dcp.load(tgt, checkpoint_id=f"{root}/dcp_{rep}")))
-        check_equal(state, tgt)
+        time_loads(state, root, rep, results)
     emit(kind="reshard", world=world, results=results)
 
 
