@@ -70,24 +70,52 @@ class Handler:
         raise NotImplementedError
 
 
-_REGISTRY: Dict[Type, Handler] = {}
+class TypeRegistry:
+    """Value type -> Handler, looked up along the value's MRO (most specific first)."""
+
+    def __init__(self) -> None:
+        self._handlers: Dict[Type, Handler] = {}
+
+    def register(self, typ: Type, handler: Handler, *, override: bool = False) -> None:
+        """Add a handler for `typ`; replacing an existing one needs override=True."""
+        if not isinstance(typ, type):
+            raise TypeError(f"register: expected a type, got {typ!r}")
+        if not isinstance(handler, Handler):
+            raise TypeError(f"register: handler for {typ.__name__} must be a bytecheckpoint Handler instance, "
+                            f"got {type(handler).__name__}")
+        existing = self._handlers.get(typ)
+        if existing is not None and not override:
+            raise CheckpointError(f"a handler for {typ.__module__}.{typ.__qualname__} is already registered "
+                                  f"({type(existing).__name__}); pass override=True to replace it")
+        self._handlers[typ] = handler
+
+    def handler_for(self, value: Any) -> Handler:
+        for klass in type(value).__mro__:
+            h = self._handlers.get(klass)
+            if h is not None:
+                return h
+        if callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None)):
+            return _STATEFUL
+        return _OBJECT
+
+    def __contains__(self, typ: Type) -> bool:
+        return typ in self._handlers
+
+
+#: The handlers of every value type the engine knows (extend with REGISTRY.register).
+REGISTRY = TypeRegistry()
 
 
 def register(typ: Type) -> Callable[[Type[Handler]], Type[Handler]]:
+    """Class decorator for the built-in handlers: registers one instance of the class for `typ`."""
     def deco(cls: Type[Handler]) -> Type[Handler]:
-        _REGISTRY[typ] = cls()
+        REGISTRY.register(typ, cls())
         return cls
     return deco
 
 
 def handler_for(value: Any) -> Handler:
-    for klass in type(value).__mro__:
-        h = _REGISTRY.get(klass)
-        if h is not None:
-            return h
-    if callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None)):
-        return _STATEFUL
-    return _OBJECT
+    return REGISTRY.handler_for(value)
 
 
 def join(prefix: str, k: Any) -> str:
@@ -95,9 +123,10 @@ def join(prefix: str, k: Any) -> str:
 
 
 class Walker:
-    def __init__(self, state: Any, for_load: bool):
+    def __init__(self, state: Any, for_load: bool, saved: Any = None):
         self.flat = Flat()
         self.for_load = for_load
+        self.saved = saved  # load: the checkpoint's structure tree (what was saved), if known
         self.param_owner = _param_owners(state)
 
     def save(self, value: Any, key: str) -> Any:
@@ -120,9 +149,9 @@ def flatten_for_save(state: Any) -> Flat:
     return w.flat
 
 
-def flatten_for_load(state: Any) -> Flat:
+def flatten_for_load(state: Any, saved_structure: Any = None) -> Flat:
     _check_top(state)
-    w = Walker(state, for_load=True)
+    w = Walker(state, for_load=True, saved=saved_structure)
     w.load(state, "", lambda v: None)
     return w.flat
 
@@ -293,17 +322,64 @@ class OptimizerHandler(Handler):
         model = _owner_module(value, walk.param_owner)
         if model is None:
             return _STATEFUL.save(value, key, walk)
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-        return walk.save(get_optimizer_state_dict(model, value), key)
+        return walk.save(_named_optimizer_state(model, value), key)
 
     def load(self, value, key, walk, assign):
         model = _owner_module(value, walk.param_owner)
         if model is None:
             return _STATEFUL.load(value, key, walk, assign)
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-        osd = get_optimizer_state_dict(model, value)  # also creates state for a fresh optimizer
-        walk.load(osd, key, lambda v: None)
-        walk.flat.finalizers.append(lambda: set_optimizer_state_dict(model, value, osd))
+        # A state dict of plain values only is loaded whole (assign); otherwise in place.
+        loaded = {}
+        if _saved_without_state(walk.saved, key):
+            # Saved before its first step: the loaded optimizer has no state either, exactly as saved.
+            loaded["osd"] = _named_optimizer_state(model, value, with_state=False)
+            walk.load(loaded["osd"], key, lambda v: loaded.__setitem__("osd", v))
+            walk.flat.finalizers.append(lambda: _load_groups_only(value, loaded["osd"]))
+            return
+        loaded["osd"] = get_optimizer_state_dict(model, value)  # creates state for a fresh target: the template
+        walk.load(loaded["osd"], key, lambda v: loaded.__setitem__("osd", v))
+        walk.flat.finalizers.append(lambda: set_optimizer_state_dict(model, value, loaded["osd"]))
+
+
+def _named_optimizer_state(model: nn.Module, optim: torch.optim.Optimizer, with_state: bool = True) -> Dict:
+    """torch's parameter-name-keyed optimizer state dict, without side effects. For an optimizer
+    with no state yet torch would run a zero-lr step() to create it (a checkpoint must never change
+    training): a lone empty placeholder entry makes it skip that, and the state is put back."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    first = next((p for g in optim.param_groups for p in g["params"]), None)
+    if (with_state and optim.state) or first is None:
+        return get_optimizer_state_dict(model, optim)
+    kept = dict(optim.state)
+    optim.state.clear()
+    optim.state[first] = {}
+    try:
+        osd = get_optimizer_state_dict(model, optim)
+    finally:
+        optim.state.clear()
+        optim.state.update(kept)
+    osd["state"] = {}
+    return osd
+
+
+def _saved_without_state(saved: Any, key: str) -> bool:
+    """The checkpoint holds this optimizer's state as plain values only (no tensors): it was saved
+    before its first step (the whole state dict, or its "state" entry, is one plain value)."""
+    if saved is None:
+        return False
+    whole, state = find_subtree(saved, key), find_subtree(saved, join(key, "state"))
+    return any(isinstance(n, dict) and ("object" in n or n == {"dict": []}) for n in (whole, state))
+
+
+def _load_groups_only(optim: torch.optim.Optimizer, osd: Dict) -> None:
+    """Hyper-parameters from the checkpoint's param groups, no state (what a fresh save holds)."""
+    optim.state.clear()
+    saved = osd.get("param_groups", [])
+    if len(saved) != len(optim.param_groups):
+        raise StateMismatchError(f"optimizer: the checkpoint has {len(saved)} param groups, the optimizer "
+                                 f"{len(optim.param_groups)}; build it with the same groups")
+    for group, values in zip(optim.param_groups, saved):
+        group.update({k: v for k, v in values.items() if k != "params"})
 
 
 class StatefulHandler(Handler):
