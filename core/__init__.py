@@ -3,23 +3,38 @@
     import bytecheckpoint as bcp
     handle = bcp.save(path, {"model": model, "optimizer": optim, "step": step}, async_save=True)
     bcp.load(path, {"model": model, "optimizer": optim, "step": 0})
-"""
-from .errors import (CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError,
-                     FormatVersionError, IncompleteCheckpointError, MetadataError, RemoteRankError,
-                     ShardLayoutError, StateMismatchError)
-from .shards import FlatShard, Shard
-from .saver import SaveHandle, save, wait_pending
-from .loader import load, load_full, last_load_stats
-from .inspect import CheckpointInfo, TensorInfo, delete, inspect, is_checkpoint, verify
-from .metadata import FORMAT_VERSION
-from .retention import RetentionReport, keep_last
 
-__version__ = "0.1.0"
+    with bcp.Checkpointer(async_save=True, storage_options=opts) as ckpt:   # the engine as an object
+        ckpt.save(path, state); ckpt.load(path, state)
+"""
+from .errors import (CheckpointError, CheckpointerClosedError, CheckpointExistsError, CheckpointNotFoundError,
+                     CorruptCheckpointError, FormatVersionError, IncompleteCheckpointError, MetadataError,
+                     PeerTimeoutError, RemoteRankError, ShardLayoutError, StateMismatchError)
+from .shards import FlatShard, Shard
+from .comm import LOCAL
+from .handles import SaveHandle
+from .checkpointer import Checkpointer, default_checkpointer
+from .api import delete, inspect, is_checkpoint, keep_last, load, load_full, save, verify, wait_pending
+from .flatten import REGISTRY, Handler
+from .inspect import CheckpointInfo, TensorInfo, VerifyReport
+from .loader import LoadStats
+from .metadata import FORMAT_VERSION
+from .retention import RetentionReport
+
+__version__ = "0.2.0"
 
 __all__ = [
-    "save", "load", "load_full", "keep_last", "RetentionReport", "inspect", "verify", "is_checkpoint", "delete", "wait_pending",
-    "Shard", "FlatShard", "SaveHandle", "CheckpointInfo", "TensorInfo", "last_load_stats", "FORMAT_VERSION",
-    "CheckpointError", "CheckpointExistsError", "CheckpointNotFoundError", "CorruptCheckpointError",
-    "FormatVersionError", "IncompleteCheckpointError", "MetadataError", "RemoteRankError", "ShardLayoutError",
-    "StateMismatchError",
+    "save", "load", "load_full", "keep_last", "RetentionReport", "inspect", "verify", "is_checkpoint", "delete",
+    "wait_pending", "Checkpointer", "default_checkpointer", "LOCAL", "REGISTRY", "Handler",
+    "Shard", "FlatShard", "SaveHandle", "CheckpointInfo", "TensorInfo", "VerifyReport", "LoadStats",
+    "last_load_stats", "FORMAT_VERSION",
+    "CheckpointError", "CheckpointerClosedError", "CheckpointExistsError", "CheckpointNotFoundError",
+    "CorruptCheckpointError", "FormatVersionError", "IncompleteCheckpointError", "MetadataError", "PeerTimeoutError",
+    "RemoteRankError", "ShardLayoutError", "StateMismatchError",
 ]
+
+
+def __getattr__(name: str):
+    if name == "last_load_stats":  # bytes read / received by the default instance's last load
+        return default_checkpointer().last_load_stats
+    raise AttributeError(f"module 'bytecheckpoint' has no attribute {name!r}")

@@ -19,7 +19,7 @@ def _human(n: float) -> str:
 
 
 def cmd_inspect(args) -> int:
-    from .inspect import inspect
+    from .api import inspect
     info = inspect(args.path)
     if args.json:
         print(json.dumps(info.to_dict(), indent=1, default=str))
@@ -53,7 +53,7 @@ def _bar(show: bool):
 
 
 def cmd_verify(args) -> int:
-    from .inspect import verify
+    from .api import verify
     show = sys.stderr.isatty()
     report = verify(args.path, progress=_bar(show))
     if show:
@@ -96,7 +96,7 @@ def cmd_export(args) -> int:
 
 def cmd_import(args) -> int:
     from .export import import_safetensors
-    from .inspect import inspect
+    from .api import inspect
     import_safetensors(args.hf_dir, args.out, key=args.key, dtype=args.dtype, overwrite=args.overwrite)
     info = inspect(args.out)
     print(f"imported {len(info.tensors)} tensors ({_human(info.nbytes)}) from {args.hf_dir} into {args.out} under "

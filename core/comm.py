@@ -5,23 +5,70 @@ any rank into one error raised on every rank (no rank is left waiting in a colle
 """
 from __future__ import annotations
 
+import datetime
+import socket
 from typing import Any, Callable, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from .errors import CheckpointError, RemoteRankError
+from .errors import CheckpointError, PeerTimeoutError, RemoteRankError
 
 T = TypeVar("T")
 
 
+class _Local:
+    """`process_group=bytecheckpoint.LOCAL`: this process alone, even inside a process group (a
+    save of state it holds whole, e.g. a DDP model saved by the main process only)."""
+
+    def __repr__(self) -> str:
+        return "bytecheckpoint.LOCAL"
+
+
+LOCAL = _Local()
+
+
 class Comm:
     def __init__(self, group: Optional[Any] = None):
-        self.enabled = dist.is_available() and dist.is_initialized()
+        self.enabled = group is not LOCAL and dist.is_available() and dist.is_initialized()
         self.group = group if self.enabled else None
         self.rank = dist.get_rank(group) if self.enabled else 0
         self.world_size = dist.get_world_size(group) if self.enabled else 1
         self.coordinator = 0  # group rank that plans and commits
+
+    @property
+    def key(self) -> Tuple[Any, int]:
+        """Identifies the group for per-group caches (plans, host lists)."""
+        return (id(self.group) if self.enabled else None, self.world_size)
+
+    @property
+    def backend(self) -> str:
+        return str(dist.get_backend(self.group)) if self.enabled else "none"
+
+    def arrive(self, timeout_s: float, what: str) -> None:
+        """Before a checkpoint's first collective: every rank must get here within `timeout_s`,
+        or this rank raises (no rank waits without a bound for a peer that never comes)."""
+        if not self.enabled or self.world_size == 1:
+            return
+        timeout = datetime.timedelta(seconds=timeout_s)
+        try:
+            if self.backend == "gloo":
+                dist.monitored_barrier(group=self.group, timeout=timeout, wait_all_ranks=True)
+            else:  # NCCL and others: a tiny all-reduce whose wait is bounded
+                t = torch.zeros(1, device=self._device())
+                work = dist.all_reduce(t, group=self.group, async_op=True)
+                if not work.wait(timeout):
+                    raise RuntimeError(f"all-reduce did not complete in {timeout_s:g} s")
+        except RuntimeError as exc:
+            raise PeerTimeoutError(
+                f"{what}: not every rank of the process group ({self.world_size} ranks) arrived within "
+                f"{timeout_s:g} s. The call is collective: it was probably made on a subset of ranks (e.g. inside "
+                f"`if rank == 0:`); call it on every rank, or pass process_group=bytecheckpoint.LOCAL to save or "
+                f"load state this process holds whole by itself. [{exc}]") from exc
+
+    def hosts(self) -> List[str]:
+        """The host name of every rank (which ranks share a machine)."""
+        return self.all_gather(socket.gethostname())
 
     @property
     def is_coordinator(self) -> bool:

@@ -9,24 +9,24 @@ Two ways to collect, same decision:
 from __future__ import annotations
 
 import json
+import threading
 import time
 from dataclasses import asdict
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from .comm import Comm
-from .config import TUNABLES
-from .errors import CheckpointError, CheckpointExistsError
+from .errors import CheckpointError, CheckpointExistsError, PeerTimeoutError
 from .metadata import FORMAT_VERSION, METADATA_FILE, ArrayMeta, Metadata, ObjectFileMeta, RegionMeta, TensorMeta
 from .planner import SavePlan
-from .storage import Store
+from .storage import Storage
 
 # (object file entry, {array path: {chunk name: crc32}}) or None, and an error message or None
 RankResult = Tuple[Optional[Tuple[ObjectFileMeta, Dict[str, Dict[str, int]]]], Optional[str]]
 
 
-def write_metadata(store: Store, full: SavePlan, save_id: str, data_dir: str, world_size: int, structure: Any,
+def write_metadata(store: Storage, full: SavePlan, save_id: str, data_dir: str, world_size: int, structure: Any,
                    overwrite: bool, old_data: Optional[str], results: List[RankResult]) -> None:
     """Coordinator: commit if every rank succeeded, else raise naming the failed ranks."""
     failed = [(r, err) for r, (_, err) in enumerate(results) if err is not None]
@@ -50,7 +50,7 @@ def write_metadata(store: Store, full: SavePlan, save_id: str, data_dir: str, wo
         info={"data_dir": data_dir, "created_unix": time.time(), "torch": torch.__version__,
               "bytes_per_rank": list(full.bytes_per_rank)},
     )
-    if not store.write_bytes(METADATA_FILE, md.to_json(), only_if_absent=not overwrite, durable=True):
+    if not store.put(METADATA_FILE, md.to_json(), if_absent=not overwrite, durable=True):
         store.delete_prefix(data_dir + "/")  # the losing job leaves nothing behind
         raise CheckpointExistsError(f"another job committed a checkpoint to {store.url!r} while this save was "
                                     f"running; this save was discarded and theirs is intact")
@@ -68,28 +68,39 @@ def collect_by_collective(comm: Comm, local: RankResult, decide) -> None:
 
 
 class MarkerBoard:
-    """Rank results and the commit outcome as small JSON objects under `<data_dir>/commit/`."""
+    """Rank results and the commit outcome as small JSON objects under `<data_dir>/commit/`.
 
-    def __init__(self, store: Store, data_dir: str, world_size: int, rank: int):
+    While its background job runs, each rank also beats a heartbeat object there. A rank waiting
+    for a peer's marker gives up when that peer's heartbeat has not changed for `dead_peer_s`
+    (it died: detected in about that time, not after the whole timeout) or after `timeout_s`."""
+
+    def __init__(self, store: Storage, data_dir: str, world_size: int, rank: int, timeout_s: float,
+                 dead_peer_s: float):
         self.store, self.prefix, self.world, self.rank = store, f"{data_dir}/commit/", world_size, rank
+        self.timeout_s, self.dead_peer_s = timeout_s, dead_peer_s
 
+    # ------------------------------------------------------------ liveness
+    def heartbeat(self) -> "Heartbeat":
+        return Heartbeat(self.store, f"{self.prefix}alive_{self.rank}", max(0.5, self.dead_peer_s / 6))
+
+    # ------------------------------------------------------------ results
     def publish(self, result: RankResult) -> None:
         res, err = result
         body = {"error": err}
         if res is not None:
             body.update(object=asdict(res[0]), checksums=res[1])
-        self.store.write_bytes(f"{self.prefix}rank_{self.rank}.json", json.dumps(body).encode())
+        self.store.put(f"{self.prefix}rank_{self.rank}.json", json.dumps(body).encode())
 
     def collect(self) -> List[RankResult]:
         names = [f"{self.prefix}rank_{r}.json" for r in range(self.world)]
-        present = self._wait(lambda: set(self.store.list(self.prefix)) >= set(names),
-                             lambda: sorted(set(range(self.world)) - {int(k.rsplit("_", 1)[1].split(".")[0])
-                                                                      for k in self.store.list(self.prefix)
-                                                                      if k.startswith(self.prefix + "rank_")}))
-        del present
+
+        def missing() -> List[int]:
+            have = set(self.store.list(self.prefix))
+            return [r for r, n in enumerate(names) if n not in have]
+        self._wait(missing)
         out: List[RankResult] = []
         for name in names:
-            body = json.loads(self.store.read_bytes(name) or b"{}")
+            body = json.loads(self.store.get(name) or b"{}")
             if body.get("error") is not None or "object" not in body:
                 out.append((None, body.get("error") or "no result"))
             else:
@@ -98,23 +109,78 @@ class MarkerBoard:
 
     def announce(self, error: Optional[BaseException]) -> None:
         body = {"ok": error is None, "error": None if error is None else f"{type(error).__name__}: {error}"}
-        self.store.write_bytes(f"{self.prefix}outcome.json", json.dumps(body).encode())
+        self.store.put(f"{self.prefix}outcome.json", json.dumps(body).encode())
 
     def outcome(self) -> None:
         key = f"{self.prefix}outcome.json"
-        self._wait(lambda: self.store.read_bytes(key) is not None, lambda: ["the coordinator (rank 0)"])
-        body = json.loads(self.store.read_bytes(key))
+        self._wait(lambda: [] if self.store.get(key) is not None else [0])
+        body = json.loads(self.store.get(key))
         if not body.get("ok"):
             raise CheckpointError(f"async save to {self.store.url!r} was not committed: {body.get('error')}")
 
-    def _wait(self, ready, missing) -> bool:
-        deadline = time.monotonic() + TUNABLES.collective_timeout_s
-        delay = 0.002
-        while not ready():
-            if time.monotonic() > deadline:
-                raise CheckpointError(f"async save to {self.store.url!r}: gave up after "
-                                      f"{TUNABLES.collective_timeout_s}s waiting for {missing()} (a rank died or "
-                                      f"is stuck); nothing was committed (BCP_COLLECTIVE_TIMEOUT_S sets the limit)")
+    def _wait(self, missing: Callable[[], List[int]]) -> None:
+        """Poll until `missing()` is empty; fail on a dead peer or at the overall timeout."""
+        start = time.monotonic()
+        deadline = start + self.timeout_s
+        seen: Dict[int, Tuple[Optional[bytes], float]] = {}  # rank -> (last beat, when it changed)
+        delay, next_beat_check = 0.002, start + 1.0
+        while True:
+            waiting = missing()
+            if not waiting:
+                return
+            now = time.monotonic()
+            if now > deadline:
+                raise PeerTimeoutError(
+                    f"async save to {self.store.url!r}: gave up after {self.timeout_s:g} s waiting for "
+                    f"{_who(waiting)} (stuck); nothing was committed (Checkpointer(timeout_s=...) sets the limit)")
+            if now >= next_beat_check:
+                next_beat_check = now + 1.0
+                for r in waiting:
+                    beat = self.store.get(f"{self.prefix}alive_{r}")
+                    last, since = seen.get(r, (None, start))
+                    if beat != last or r not in seen:
+                        seen[r] = (beat, now if beat != last else since)
+                    elif now - since > self.dead_peer_s:
+                        raise PeerTimeoutError(
+                            f"async save to {self.store.url!r}: {_who([r])} stopped responding (no heartbeat for "
+                            f"{now - since:.0f} s): it died or hangs; nothing was committed and the previous "
+                            f"checkpoint is intact")
             time.sleep(delay)
             delay = min(0.05, delay * 2)
-        return True
+
+
+def _who(ranks: List[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks[:16])) + (
+        " ..." if len(ranks) > 16 else "")
+
+
+class Heartbeat:
+    """A thread that rewrites one small object every `interval` seconds while a job runs."""
+
+    def __init__(self, store: Storage, key: str, interval: float):
+        self.store, self.key, self.interval = store, key, interval
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def start(self) -> "Heartbeat":
+        self._beat(0)
+        self._thread = threading.Thread(target=self._run, name="bytecheckpoint-heartbeat", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _run(self) -> None:
+        n = 1
+        while not self._stop.wait(self.interval):
+            self._beat(n)
+            n += 1
+
+    def _beat(self, n: int) -> None:
+        try:
+            self.store.put(self.key, str(n).encode())
+        except Exception:  # noqa: BLE001 - a missed beat only makes peers wait longer; the job reports storage errors
+            pass

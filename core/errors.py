@@ -39,3 +39,11 @@ class CorruptCheckpointError(CheckpointError):
 
 class RemoteRankError(CheckpointError):
     """Raised on every rank when one or more ranks failed a collective step."""
+
+
+class PeerTimeoutError(CheckpointError, TimeoutError):
+    """A peer rank did not arrive, answer or commit within the bound (dead, stuck, or never called)."""
+
+
+class CheckpointerClosedError(CheckpointError):
+    """The Checkpointer was closed; it takes no more work."""

@@ -16,6 +16,7 @@ and saves it as a bytecheckpoint checkpoint with the tensors under one key ('mod
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import mmap
@@ -281,7 +282,7 @@ def _prepare_out(out: str, overwrite: bool) -> None:
     os.makedirs(out, exist_ok=True)
 
 
-def _write_tensor(f: BinaryIO, store, md: Metadata, meta: TensorMeta, out_dtype: str,
+def _write_tensor(f: BinaryIO, store, workers, md: Metadata, meta: TensorMeta, out_dtype: str,
                   progress: Callable[[int], None]) -> None:
     """Append one tensor's bytes (row-major, little-endian); only this tensor is in memory."""
     from .loader import read_full_tensors
@@ -291,7 +292,7 @@ def _write_tensor(f: BinaryIO, store, md: Metadata, meta: TensorMeta, out_dtype:
     if sum(math.prod(r.lengths) for r in meta.regions) != math.prod(shape):
         raise CheckpointError(f"tensor {meta.key!r}: its saved regions do not cover it exactly once; the checkpoint "
                               f"is damaged (run `bytecheckpoint verify`)")
-    t = read_full_tensors(store, md, [meta.key])[meta.key]
+    t = read_full_tensors(store, workers, md, [meta.key])[meta.key]
     if out_dtype != meta.dtype:
         t = t.to(_torch_dtype(out_dtype))
     raw = t.reshape(-1).view(torch.uint8).numpy()
@@ -304,28 +305,29 @@ def _write_tensor(f: BinaryIO, store, md: Metadata, meta: TensorMeta, out_dtype:
 
 def _release_free_memory() -> None:
     """Hand freed heap pages back to the OS (glibc). The chunk buffers of a read are freed on
-    tensorstore's threads; without this, glibc keeps tens of MiB per arena around after each
-    tensor of a few MiB to 32 MiB and the process grows by ~5x the largest tensor instead of ~1x."""
-    global _LIBC
-    if _LIBC is None:
-        try:
-            import ctypes
-            _LIBC = ctypes.CDLL("libc.so.6")
-            _LIBC.malloc_trim.argtypes = [ctypes.c_size_t]
-        except (OSError, AttributeError):  # not glibc: nothing to do
-            _LIBC = False
-    if _LIBC:
-        _LIBC.malloc_trim(0)
+    worker threads; without this, glibc keeps tens of MiB per arena around after each tensor of
+    a few MiB to 32 MiB and the process grows by ~5x the largest tensor instead of ~1x."""
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
 
 
-_LIBC: Any = None
+@functools.lru_cache(maxsize=1)
+def _libc() -> Any:
+    try:
+        import ctypes
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc_trim.argtypes = [ctypes.c_size_t]
+        return libc
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        return None
 
 
 def export_safetensors(path, out, *, key: Optional[str] = None, prefix: Optional[str] = None,
                        max_shard_size: Any = DEFAULT_MAX_SHARD_SIZE, dtype: Optional[str] = None,
                        overwrite: bool = False, config_from: Optional[str] = None,
                        storage_options: Optional[Mapping[str, Any]] = None,
-                       progress: Optional[Callable[[int, int, str], None]] = None) -> ExportResult:
+                       progress: Optional[Callable[[int, int, str], None]] = None, checkpointer=None) -> ExportResult:
     """Write the tensors saved under `key` as Hugging Face safetensors in directory `out`.
 
     One `model.safetensors`, or `model-0000k-of-0000n.safetensors` plus
@@ -335,13 +337,15 @@ def export_safetensors(path, out, *, key: Optional[str] = None, prefix: Optional
     are all copied) makes the folder loadable by `from_pretrained`. Works on a checkpoint saved
     by any number of ranks in any layout; holds one tensor in memory at a time.
     """
-    from .loader import read_metadata
-    from .storage import Store
+    from .checkpointer import default_checkpointer
+    from .workers import Workers
+    ckpt = checkpointer or default_checkpointer()
     max_bytes = parse_size(max_shard_size)
     out_dtype = parse_dtype(dtype)
     out = os.fspath(out)
-    store = Store(path, storage_options)
-    md = read_metadata(store)
+    store = ckpt.storage(path, storage_options)
+    md = ckpt.metadata(path, storage_options=storage_options)
+    workers = Workers(ckpt.options.threads)
     key, chosen = select_tensors(md, key, prefix)
     metas: Dict[str, TensorMeta] = {}
     entries: List[STEntry] = []
@@ -364,17 +368,8 @@ def export_safetensors(path, out, *, key: Optional[str] = None, prefix: Optional
 
     by_name = {e.name: e for e in entries}
     files = list(split.filename_to_tensors)
-    for fname in files:
-        ordered = file_order([by_name[n] for n in split.filename_to_tensors[fname]])
-        final = os.path.join(out, fname)
-        tmp = final + ".tmp"
-        with open(tmp, "wb") as f:
-            f.write(header_bytes(ordered, {"format": "pt"}))
-            for e in ordered:
-                _write_tensor(f, store, md, metas[e.name], FROM_ST[e.dtype], lambda n, name=e.name: advance(n, name))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
+    with workers:
+        _write_files(out, files, split, by_name, store, workers, md, metas, advance)
     index = None
     if split.is_sharded:
         index = INDEX_FILE
@@ -385,6 +380,21 @@ def export_safetensors(path, out, *, key: Optional[str] = None, prefix: Optional
         os.replace(os.path.join(out, INDEX_FILE) + ".tmp", os.path.join(out, INDEX_FILE))
     copied = copy_config(config_from, out) if config_from else []
     return ExportResult(out, key, files, len(entries), total, index, copied=copied)
+
+
+def _write_files(out, files, split, by_name, store, workers, md, metas, advance) -> None:
+    for fname in files:
+        ordered = file_order([by_name[n] for n in split.filename_to_tensors[fname]])
+        final = os.path.join(out, fname)
+        tmp = final + ".tmp"
+        with open(tmp, "wb") as f:
+            f.write(header_bytes(ordered, {"format": "pt"}))
+            for e in ordered:
+                _write_tensor(f, store, workers, md, metas[e.name], FROM_ST[e.dtype],
+                              lambda n, name=e.name: advance(n, name))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
 
 
 _FLOATS = {"float16", "bfloat16", "float32", "float64"}
@@ -517,7 +527,7 @@ def import_safetensors(hf_dir, out, *, key: str = "model", dtype: Optional[str] 
 
     Load it into any layout / world size with `bcp.load(out, {key: model})`.
     """
-    from .saver import save
+    from .api import save
     out_dtype = parse_dtype(dtype)
     if not key or "/" in key:
         raise ValueError(f"key {key!r} must be a non-empty name without '/'")

@@ -1,7 +1,6 @@
-"""inspect(), verify(), is_checkpoint(), delete(): looking at and removing checkpoints."""
+"""Looking at and removing checkpoints: inspect (metadata only), verify (every byte), delete."""
 from __future__ import annotations
 
-import math
 import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional
@@ -9,7 +8,9 @@ from typing import Any, Callable, Dict, List, Mapping, Optional
 from .errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError
 from .metadata import METADATA_FILE, Metadata
 from .regions import find_layout_problem
-from .storage import Store, chunks
+from .storage import Storage, chunks
+
+ReadMetadata = Callable[[Storage], Metadata]
 
 
 @dataclass(frozen=True)
@@ -46,17 +47,15 @@ class CheckpointInfo:
                 "objects": self.objects, "info": dict(self.info), "problem": self.problem}
 
 
-def inspect(path, storage_options: Optional[Mapping[str, Any]] = None) -> CheckpointInfo:
+def info(store: Storage, read_metadata: ReadMetadata, path: str) -> CheckpointInfo:
     """What a checkpoint holds, from its metadata alone. An incomplete one is reported, not raised."""
-    from .loader import read_metadata
-    store = Store(path, storage_options)
     try:
         md = read_metadata(store)
     except IncompleteCheckpointError as exc:
-        return CheckpointInfo(str(path), complete=False, problem=str(exc))
+        return CheckpointInfo(path, complete=False, problem=str(exc))
     tensors = [TensorInfo(t.key, t.dtype, tuple(t.shape), t.layout, t.holders, len(t.regions), t.nbytes)
                for t in md.tensors.values()]
-    return CheckpointInfo(str(path), True, md.world_size, md.save_id, md.version, tensors,
+    return CheckpointInfo(path, True, md.world_size, md.save_id, md.version, tensors,
                           {o.rank: o.nbytes for o in md.objects}, md.info)
 
 
@@ -68,12 +67,10 @@ class VerifyReport:
     problems: List[str] = field(default_factory=list)
 
 
-def verify(path, storage_options: Optional[Mapping[str, Any]] = None,
-           progress: Optional[Callable[[int, int], None]] = None) -> VerifyReport:
+def verify_store(store: Storage, workers, read_metadata: ReadMetadata, path: str,
+                 progress: Optional[Callable[[int, int], None]] = None) -> VerifyReport:
     """Read every stored byte and check every checksum and the metadata's coverage."""
-    from .loader import read_metadata
-    store = Store(path, storage_options)
-    report = VerifyReport(str(path), ok=True)
+    report = VerifyReport(path, ok=True)
     try:
         md = read_metadata(store)
     except CheckpointError as exc:
@@ -89,16 +86,20 @@ def verify(path, storage_options: Optional[Mapping[str, Any]] = None,
         refs = [(meta, index) for index, _ in chunks.chunks_in_box(meta, ((0,) * len(meta.shape), meta.shape))]
         if not meta.shape:
             refs = [(meta, ())]
-        for (m, index), fut in zip(refs, chunks.start_chunk_reads(chunks.chunk_io_for(store), refs)):
+
+        def check(ref, fut):  # read + checksum on the worker pool
             try:
-                raw = chunks.chunk_bytes(fut, m, index, f"array {m.path!r}")
-                report.checked_bytes += len(raw)
+                return len(chunks.chunk_bytes(fut, ref[0], ref[1], f"array {ref[0].path!r}")), None
             except CheckpointError as err:
-                report.problems.append(str(err))
+                return 0, str(err)
+        for nbytes, problem in workers.map(check, list(zip(refs, chunks.start_chunk_reads(store, refs)))):
+            report.checked_bytes += nbytes
+            if problem:
+                report.problems.append(problem)
             if progress:
                 progress(report.checked_bytes, total)
     for o in md.objects:
-        raw = store.read_bytes(o.path)
+        raw = store.get(o.path)
         if raw is None:
             report.problems.append(f"{o.path}: missing")
         elif zlib.crc32(raw) != o.crc32 or len(raw) != o.nbytes:
@@ -107,21 +108,9 @@ def verify(path, storage_options: Optional[Mapping[str, Any]] = None,
     return report
 
 
-def is_checkpoint(path, storage_options: Optional[Mapping[str, Any]] = None) -> bool:
-    """True only for a committed checkpoint (its metadata file exists and parses)."""
-    from .loader import read_metadata
-    try:
-        read_metadata(Store(path, storage_options))
-        return True
-    except CheckpointError:
-        return False
-
-
-def delete(path, storage_options: Optional[Mapping[str, Any]] = None) -> None:
+def delete_store(store: Storage) -> None:
     """Remove a checkpoint: the commit point first, so a half-deleted one never looks valid."""
-    from .saver import wait_pending
-    store = Store(path, storage_options)
-    if store.read_bytes(METADATA_FILE) is None and not store.exists_any():
+    if store.get(METADATA_FILE) is None and not store.exists_any():
         raise CheckpointNotFoundError(f"{store.url!r}: nothing to delete")
     store.delete(METADATA_FILE)
     store.remove_root()

@@ -1,16 +1,16 @@
-"""load() in place, and load_full() without a template.
+"""The load pipeline: load in place, and load_full without a template.
 
-Metadata is read once (coordinator) and broadcast; each rank plans its reads from metadata
-alone, reads only the sub-boxes it needs with many reads in flight, and copies each result into
-its target as soon as it arrives. Bytes that several ranks need are read once and shared
-(see zero_redundancy.py).
+The Checkpointer reads the metadata once (coordinator, through its cache) and broadcasts it; each
+rank plans its reads from metadata alone, reads only the chunks it needs with many reads in
+flight, and copies each result into its target as soon as it arrives. Bytes that several ranks
+need are read once and shared when the Checkpointer's policy says it pays (zero_redundancy.py).
 """
 from __future__ import annotations
 
 import math
 import os
 import zlib
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -18,12 +18,12 @@ from . import codec, zero_redundancy
 from .comm import Comm
 from .errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError,
                      StateMismatchError)
-from .flatten import Flat, build_from_structure, find_subtree, flatten_for_load, join, structure_leaves
-from .metadata import METADATA_FILE, Metadata, TensorMeta, dtype_itemsize
+from .flatten import Flat, build_from_structure, find_subtree, flatten_for_load, structure_leaves
+from .metadata import METADATA_FILE, Metadata, dtype_itemsize
 from .planner import ReadItem, TargetSpec, check_targets, plan_load
-from .regions import volume
 from .saver import DATA_PREFIX, dtype_name
-from .storage import Store, chunks
+from .storage import Storage, chunks
+from .workers import Workers
 
 _TORCH_DTYPES = {name: getattr(torch, name) for name in
                  ("bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64", "float16",
@@ -43,23 +43,25 @@ class LoadStats:
         return f"LoadStats(bytes_read={self.bytes_read}, bytes_received={self.bytes_received}, reads={self.reads})"
 
 
-last_load_stats = LoadStats()
+def missing_metadata_error(store: Storage) -> Exception:
+    """Why a root without metadata.json is not loaded: incomplete save, or no checkpoint at all."""
+    if store.exists_any() and any(k.startswith(DATA_PREFIX) for k in store.list()):
+        return IncompleteCheckpointError(
+            f"{store.url!r} holds checkpoint data but no {METADATA_FILE}: the save that wrote it did not "
+            f"finish (it crashed, or is still running). It is not loaded; use an earlier checkpoint")
+    return CheckpointNotFoundError(
+        f"{store.url!r} is not a bytecheckpoint checkpoint (no {METADATA_FILE}); check the path")
 
 
-def read_metadata(store: Store) -> Metadata:
-    raw = store.read_bytes(METADATA_FILE)
-    if raw is None:
-        if any(k.startswith(DATA_PREFIX) for k in store.list()) if store.exists_any() else False:
-            raise IncompleteCheckpointError(
-                f"{store.url!r} holds checkpoint data but no {METADATA_FILE}: the save that wrote it did not "
-                f"finish (it crashed, or is still running). It is not loaded; use an earlier checkpoint")
-        raise CheckpointNotFoundError(
-            f"{store.url!r} is not a bytecheckpoint checkpoint (no {METADATA_FILE}); check the path")
+def parse_metadata(store: Storage, raw: bytes) -> Metadata:
     return Metadata.from_json(raw, f"{store.url.rstrip('/')}/{METADATA_FILE}")
 
 
-def _metadata(comm: Comm, store: Store) -> Metadata:
-    return comm.run_on_coordinator(lambda: read_metadata(store), "reading checkpoint metadata")
+def read_metadata(store: Storage) -> Metadata:
+    raw = store.get(METADATA_FILE)
+    if raw is None:
+        raise missing_metadata_error(store)
+    return parse_metadata(store, raw)
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -83,22 +85,26 @@ def chunk_needs(md: Metadata, reads: Sequence[ReadItem], dests: Sequence[torch.T
     return needs
 
 
-def read_chunks(store: Store, md: Metadata, needs: Needs, stats: LoadStats, what: str) -> None:
-    """Read every needed chunk (all in flight at once), check it, copy its parts into place."""
-    refs = list(needs)
-    io = chunks.chunk_io_for(store)
-    futures = chunks.start_chunk_reads(io, [(md.arrays[a], i) for a, i in refs])
-
-    def finish(ref, fut) -> int:  # I/O, checksum and copy release the GIL: run on the worker pool
+def read_chunks(store: Storage, workers: Workers, md: Metadata, needs: Needs, stats: LoadStats, what: str) -> None:
+    """Read every needed chunk (all in flight at once), check it, copy its parts into place. A
+    chunk that fills one contiguous target is read straight into it."""
+    started = []
+    for ref, parts in needs.items():
         meta = md.arrays[ref[0]]
-        direct = chunks.read_whole_into(io, meta, ref[1], needs[ref], f"{what} {ref[0]!r}")
-        if direct is not None:
-            return direct
-        raw = chunks.chunk_bytes(fut, meta, ref[1], f"{what} {ref[0]!r}")
+        if chunks.lands_whole(meta, parts):
+            started.append((ref, chunks.start_read_into(store, meta, ref[1], parts[0][1])))
+        else:
+            started.append((ref, (chunks.start_chunk_reads(store, [(meta, ref[1])])[0], None)))
+
+    def finish(ref, request) -> int:  # I/O, checksum and copy release the GIL: run on the worker pool
+        meta, (req, view) = md.arrays[ref[0]], request
+        if view is not None:
+            return chunks.finish_read_into(req, view, meta, ref[1], f"{what} {ref[0]!r}")
+        raw = chunks.chunk_bytes(req, meta, ref[1], f"{what} {ref[0]!r}")
         chunks.copy_parts(chunks.chunk_tensor(raw, meta, torch_dtype(meta.dtype)), ref[1], meta, needs[ref])
         return len(raw)
 
-    for nbytes in chunks.parallel_map(finish, list(zip(refs, futures))):
+    for nbytes in workers.map(finish, started):
         stats.bytes_read += nbytes
         stats.reads += 1
 
@@ -110,7 +116,7 @@ def target_view(piece: torch.Tensor, box) -> torch.Tensor:
     return piece[tuple(slice(o, o + n) for o, n in zip(offs, lens))]
 
 
-def read_full_tensors(store: Store, md: Metadata, keys: Sequence[str]) -> Dict[str, torch.Tensor]:
+def read_full_tensors(store: Storage, workers: Workers, md: Metadata, keys: Sequence[str]) -> Dict[str, torch.Tensor]:
     out: Dict[str, torch.Tensor] = {}
     reads: List[ReadItem] = []
     dest: List[torch.Tensor] = []
@@ -127,7 +133,7 @@ def read_full_tensors(store: Store, md: Metadata, keys: Sequence[str]) -> Dict[s
     for r in plan_load(md.tensors, targets):
         reads.append(r)
         dest.append(target_view(out[r.key], r.target_box))
-    read_chunks(store, md, chunk_needs(md, reads, dest), LoadStats(), "reading")
+    read_chunks(store, workers, md, chunk_needs(md, reads, dest), LoadStats(), "reading")
     return out
 
 
@@ -138,13 +144,13 @@ def _physical_memory() -> int:
         return 1 << 62
 
 
-def read_objects(store: Store, md: Metadata, rank: int, allow_pickle: bool) -> Dict[str, Any]:
+def read_objects(store: Storage, md: Metadata, rank: int, allow_pickle: bool) -> Dict[str, Any]:
     """Plain values saved by `rank` (or rank 0's when the checkpoint had fewer ranks)."""
     src = rank if rank < md.world_size else 0
     meta = next((o for o in md.objects if o.rank == src), None)
     if meta is None:
         return {}
-    raw = store.read_bytes(meta.path)
+    raw = store.get(meta.path)
     if raw is None:
         raise CorruptCheckpointError(f"{store.url!r}: {meta.path} is missing; the checkpoint is damaged")
     if zlib.crc32(raw) != meta.crc32 or len(raw) != meta.nbytes:
@@ -189,16 +195,13 @@ def _list(keys: List[str], n: int = 20) -> str:
     return ", ".join(repr(k) for k in keys[:n]) + (f" (and {len(keys) - n} more)" if len(keys) > n else "")
 
 
-def load(path, state: Dict[str, Any], *, process_group=None, strict: bool = True,
-         storage_options: Optional[Mapping[str, Any]] = None, allow_pickle: bool = False) -> Dict[str, Any]:
-    """Load a checkpoint into `state` in place (collective); returns `state`."""
-    comm = Comm(process_group)
-    store = Store(path, storage_options)
-    md = _metadata(comm, store)
-    stats = LoadStats()
+def load(comm: Comm, store: Storage, workers: Workers, md: Metadata, state: Dict[str, Any], *, strict: bool,
+         allow_pickle: bool, share: bool, stats: LoadStats) -> Dict[str, Any]:
+    """Load `md`'s checkpoint into `state` in place (collective over comm); returns `state`.
+    `share`: read chunks that several ranks need once and broadcast them (zero-redundancy)."""
 
     def prepare():
-        flat = flatten_for_load(state)
+        flat = flatten_for_load(state, md.structure)
         missing, _ = _check_keys(flat, md, strict)
         targets = []
         for e in flat.tensors.values():
@@ -214,11 +217,12 @@ def load(path, state: Dict[str, Any], *, process_group=None, strict: bool = True
         return target_view(flat.tensors[r.key].pieces[r.piece].tensor, r.target_box)
 
     needs = chunk_needs(md, reads, [dest_of(r) for r in reads])
-    shared = zero_redundancy.plan_shared(comm, md, zero_redundancy.whole_chunks(md, needs))
+    shared = zero_redundancy.plan_shared(comm, md, zero_redundancy.whole_chunks(md, needs)) if share else \
+        zero_redundancy.SharedPlan()
 
     def read_local():  # this rank's share of the shared chunks, then the chunks only it needs
         zero_redundancy.read_assigned(comm, store, md, shared, stats)
-        read_chunks(store, md, shared.local_needs(needs), stats, "loading")
+        read_chunks(store, workers, md, shared.local_needs(needs), stats, "loading")
 
     comm.run(read_local, f"reading {store.url!r}")
     zero_redundancy.exchange(comm, md, shared, needs, stats)
@@ -242,25 +246,19 @@ def load(path, state: Dict[str, Any], *, process_group=None, strict: bool = True
                 if node is None:
                     continue
                 keys = [k for k, kind in structure_leaves(node).items() if kind == "tensor"]
-                tensors = read_full_tensors(store, md, keys)
+                tensors = read_full_tensors(store, workers, md, keys)
                 consume(build_from_structure(node, tensors, objects))
         for fin in flat.finalizers:
             fin()
 
     comm.run(read_all, f"loading {store.url!r}")
-    last_load_stats.__dict__.update(stats.__dict__)
     return state
 
 
-def load_full(path, *, keys: Optional[Sequence[str]] = None, process_group=None,
-              storage_options: Optional[Mapping[str, Any]] = None, allow_pickle: bool = False) -> Dict[str, Any]:
+def load_full(comm: Comm, store: Storage, workers: Workers, md: Metadata, *, keys: Optional[Sequence[str]],
+              allow_pickle: bool) -> Dict[str, Any]:
     """The saved state as nested dicts/lists with full CPU tensors and plain values (no template).
-
-    `keys` limits it to some top-level keys. Every rank reads what it returns.
-    """
-    comm = Comm(process_group)
-    store = Store(path, storage_options)
-    md = _metadata(comm, store)
+    `keys` limits it to some top-level keys. Every rank reads what it returns."""
 
     def read() -> Dict[str, Any]:
         root = md.structure
@@ -277,7 +275,7 @@ def load_full(path, *, keys: Optional[Sequence[str]] = None, process_group=None,
             nodes = None
         wanted = structure_leaves(root) if nodes is None else {
             k: v for n in nodes.values() for k, v in structure_leaves(n).items()}
-        tensors = read_full_tensors(store, md, [k for k, kind in wanted.items() if kind == "tensor"])
+        tensors = read_full_tensors(store, workers, md, [k for k, kind in wanted.items() if kind == "tensor"])
         objects = read_objects(store, md, comm.rank, allow_pickle) if any(
             kind == "object" for kind in wanted.values()) else {}
         if nodes is None:

@@ -19,7 +19,6 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
-from .config import TUNABLES
 from .errors import ShardLayoutError, StateMismatchError
 from .metadata import DTYPES, ArrayMeta, RegionMeta, TensorMeta, dtype_itemsize
 from .regions import Box, chunk_count, chunk_grid, find_layout_problem, intersect, volume
@@ -28,6 +27,9 @@ from .regions import Box, chunk_count, chunk_grid, find_layout_problem, intersec
 SPLIT_MIN_BYTES = 1 << 20
 # Chunks are refined (along dim 0) towards this size so one rank's writes run in parallel.
 CHUNK_TARGET_BYTES = 16 << 20
+# Per-tensor chunk grids with more than this many chunks per saved region fall back to one zarr
+# array per region (avoids millions of tiny chunk files).
+MAX_CHUNKS_PER_REGION = 16
 
 
 @dataclass(frozen=True)
@@ -147,7 +149,7 @@ def _plan_save(manifests: Sequence[RankManifest]) -> SavePlan:
         name = array_name(key, used_names)
         boxes = [box for box, _ in units]
         grid = _refine(chunk_grid(first.shape, boxes), first.shape, dtype_itemsize(first.dtype))
-        one_array = chunk_count(first.shape, grid) <= TUNABLES.max_chunks_per_region * max(1, len(units))
+        one_array = chunk_count(first.shape, grid) <= MAX_CHUNKS_PER_REGION * max(1, len(units))
         regions: List[RegionMeta] = []
         for i, (box, ranks) in enumerate(sorted(units)):
             writer = writer_of.get((key, box), ranks[0])

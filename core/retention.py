@@ -2,6 +2,7 @@
 
     bcp.save(f"{run}/step-{step}", state).wait()
     bcp.keep_last(run, 3)          # on every rank (collective) or on one process
+    ckpt.keep_last(run, 3)         # the same on a Checkpointer (sees its own in-flight saves)
 
 Safety rules, in order:
 - k >= 1: the newest complete checkpoint is never deleted.
@@ -9,7 +10,7 @@ Safety rules, in order:
   without metadata may be a save in progress (on any node) and is left alone, unless
   `remove_incomplete_older_than_s` is given: then an incomplete local directory older than every
   complete checkpoint we keep, and untouched for that many seconds, is removed (crash leftovers).
-- A path that an in-flight async save of this process targets is never deleted.
+- A path that an in-flight async save of the Checkpointer targets is never deleted.
 - A checkpoint whose metadata cannot be read is reported, not deleted.
 - Deletion removes metadata.json first (bcp.delete), so a half-deleted checkpoint never looks valid.
 Newest means the save time recorded in the metadata (info.created_unix), then the save id.
@@ -19,12 +20,11 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, List, Mapping, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 from .comm import Comm
 from .errors import CheckpointError
-from .metadata import METADATA_FILE, Metadata
-from .storage import Store
+from .metadata import METADATA_FILE
 from .storage.specs import split_url
 
 
@@ -38,26 +38,27 @@ class RetentionReport:
     in_flight: List[str] = field(default_factory=list)     # targets of this process's pending saves
 
 
-def keep_last(directory, k: int, *, storage_options: Optional[Mapping[str, Any]] = None, process_group=None,
-              dry_run: bool = False, remove_incomplete_older_than_s: Optional[float] = None) -> RetentionReport:
-    """Delete all but the newest `k` complete checkpoints directly under `directory`.
+def apply_retention(ckpt, directory, k: int, *, storage_options: Any, comm: Comm, dry_run: bool = False,
+              remove_incomplete_older_than_s: Optional[float] = None) -> RetentionReport:
+    """Delete all but the newest `k` complete checkpoints directly under `directory`, using the
+    Checkpointer `ckpt` (its storage, its in-flight saves).
 
-    Collective when a process group is initialised: the coordinator decides and deletes, every
-    rank gets the same report (or the same error)."""
+    Collective when `comm` spans several ranks: the coordinator decides and deletes, every rank
+    gets the same report (or the same error)."""
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
         raise CheckpointError(f"keep_last: k must be an integer >= 1 (the newest complete checkpoint is never "
                               f"deleted), got {k!r}")
-    comm = Comm(process_group)
+    directory = os.fspath(directory)
     return comm.run_on_coordinator(
-        lambda: _keep_last(os.fspath(directory), k, storage_options, dry_run, remove_incomplete_older_than_s),
-        f"applying retention to {os.fspath(directory)!r}")
+        lambda: _keep_last(ckpt, directory, k, storage_options, dry_run, remove_incomplete_older_than_s),
+        f"applying retention to {directory!r}")
 
 
-def _keep_last(directory: str, k: int, storage_options, dry_run: bool, incomplete_age: Optional[float]
+def _keep_last(ckpt, directory: str, k: int, storage_options, dry_run: bool, incomplete_age: Optional[float]
                ) -> RetentionReport:
     report = RetentionReport()
-    children = _children(directory, storage_options)
-    pending = _pending_targets()
+    children = _children(ckpt, directory, storage_options)
+    pending = {_norm(p) for p in ckpt.pending_paths()}
     complete: List[Tuple[float, str, str]] = []
     for name, has_metadata in children:
         path = _join(directory, name)
@@ -68,8 +69,7 @@ def _keep_last(directory: str, k: int, storage_options, dry_run: bool, incomplet
             report.incomplete.append(path)
             continue
         try:
-            raw = Store(path, storage_options).read_bytes(METADATA_FILE)
-            md = Metadata.from_json(raw or b"", f"{path}/{METADATA_FILE}")
+            md = ckpt.metadata(path, storage_options=storage_options)
         except CheckpointError:
             report.unreadable.append(path)
             continue
@@ -80,7 +80,7 @@ def _keep_last(directory: str, k: int, storage_options, dry_run: bool, incomplet
     report.kept = [p for _, _, p in keep]
     for _, _, path in drop:
         if not dry_run:
-            _delete(path, storage_options)
+            ckpt.delete(path, storage_options=storage_options)
         report.deleted.append(path)
     if incomplete_age is not None and keep and split_url(directory)[0] == "file":
         oldest_kept = min(c for c, _, _ in keep)
@@ -89,13 +89,13 @@ def _keep_last(directory: str, k: int, storage_options, dry_run: bool, incomplet
             newest = _newest_mtime(path)
             if newest < oldest_kept and now - newest > incomplete_age:
                 if not dry_run:
-                    _delete(path, storage_options)
+                    ckpt.delete(path, storage_options=storage_options)
                 report.incomplete.remove(path)
                 report.removed_incomplete.append(path)
     return report
 
 
-def _children(directory: str, storage_options) -> List[Tuple[str, bool]]:
+def _children(ckpt, directory: str, storage_options) -> List[Tuple[str, bool]]:
     scheme = split_url(directory)[0]
     if scheme == "file":
         root = split_url(directory)[2]
@@ -103,7 +103,7 @@ def _children(directory: str, storage_options) -> List[Tuple[str, bool]]:
             return []
         return sorted((n, os.path.isfile(os.path.join(root, n, METADATA_FILE))) for n in os.listdir(root)
                       if os.path.isdir(os.path.join(root, n)) and not os.path.islink(os.path.join(root, n)))
-    keys = Store(directory, storage_options).list()
+    keys = ckpt.storage(directory, storage_options).list()
     names = {}
     for key in keys:
         if "/" not in key:
@@ -113,11 +113,6 @@ def _children(directory: str, storage_options) -> List[Tuple[str, bool]]:
     return sorted(names.items())
 
 
-def _delete(path: str, storage_options) -> None:
-    from .inspect import delete
-    delete(path, storage_options=storage_options)
-
-
 def _join(directory: str, name: str) -> str:
     return directory.rstrip("/") + "/" + name
 
@@ -125,17 +120,6 @@ def _join(directory: str, name: str) -> str:
 def _norm(path: str) -> str:
     scheme, bucket, rel = split_url(path)
     return f"{scheme}://{bucket}/{rel}"
-
-
-def _pending_targets() -> set:
-    """Targets of this process's async saves that have not finished."""
-    from . import saver
-    lock = getattr(saver, "_PENDING_LOCK", None)
-    handles = []
-    if lock is not None:
-        with lock:
-            handles = list(getattr(saver, "_PENDING", []))
-    return {_norm(h.path) for h in handles if not h.done()}
 
 
 def _newest_mtime(path: str) -> float:

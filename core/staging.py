@@ -8,11 +8,9 @@ pinned and device->host copies run non-blocking on a side stream.
 from __future__ import annotations
 
 import threading
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, List, Tuple
 
 import torch
-
-from .config import TUNABLES
 
 BufferKey = Tuple[str, Tuple[int, ...], Tuple[int, ...], torch.dtype]
 
@@ -25,7 +23,7 @@ class Slot:
 
 
 class StagingPool:
-    def __init__(self, slots: int = TUNABLES.staging_slots):
+    def __init__(self, slots: int = 2):
         self._slots = [Slot(i) for i in range(max(1, slots))]
         self._next = 0
         self._cond = threading.Condition()
@@ -98,6 +96,15 @@ class StagingPool:
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for s in self._slots for b in s.buffers.values())
 
+    def free(self) -> None:
+        """Drop every buffer (pinned memory included); the pool stays usable and refills on use."""
+        with self._cond:
+            while any(slot.busy for slot in self._slots):
+                self._cond.wait()
+            for slot in self._slots:
+                slot.buffers.clear()
+            self._stream = None
+
 
 def _new_buffer(like: torch.Tensor) -> torch.Tensor:
     pin = (like.is_cuda or like.is_pinned()) and torch.cuda.is_available()
@@ -105,15 +112,3 @@ def _new_buffer(like: torch.Tensor) -> torch.Tensor:
     if buf.numel():
         buf.zero_()  # pre-fault the pages now, not inside the first timed copy
     return buf
-
-
-_POOL: Optional[StagingPool] = None
-_POOL_LOCK = threading.Lock()
-
-
-def shared_pool() -> StagingPool:
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None:
-            _POOL = StagingPool()
-        return _POOL

@@ -1,5 +1,9 @@
 """Zero-redundancy load: chunks that several ranks need are read from storage once and shared.
 
+Whether it runs is the Checkpointer's policy (`zero_redundancy="auto"`: remote or shared storage,
+ranks on several hosts, or NCCL; off for ranks that share a host reading local files, where
+re-reading the page cache beats a broadcast over gloo).
+
 Every rank announces the stored chunks it needs; `planner.assign_readers` picks one balanced
 reader for each chunk wanted by 2+ ranks; each reader reads (and checksums) its chunks into one
 flat buffer, and the buffers are broadcast. Chunks only one rank needs are read by that rank.
@@ -8,7 +12,6 @@ in a broadcast while another has failed.
 """
 from __future__ import annotations
 
-import os
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Sequence, Tuple
@@ -19,8 +22,6 @@ from .comm import Comm
 from .metadata import Metadata, dtype_itemsize
 from .planner import assign_readers
 from .storage import chunks
-
-ENABLED = os.environ.get("BCP_ZERO_REDUNDANCY_LOAD", "1") != "0"
 
 ChunkRef = Tuple[str, Tuple[int, ...]]
 
@@ -62,7 +63,7 @@ def whole_chunks(md: Metadata, needs: Dict[ChunkRef, Any]) -> List[ChunkRef]:
 def plan_shared(comm: Comm, md: Metadata, refs: Sequence[ChunkRef]) -> SharedPlan:
     """Collective: agree on who reads each chunk that 2+ ranks need whole (see whole_chunks)."""
     plan = SharedPlan()
-    if not ENABLED or not comm.enabled or comm.world_size == 1:
+    if not comm.enabled or comm.world_size == 1:
         return plan
     requests = comm.all_gather(list(refs))
     plan.sizes = {q: chunks.chunk_nbytes(md.arrays[q[0]], dtype_itemsize(md.arrays[q[0]].dtype))
@@ -89,7 +90,7 @@ def read_assigned(comm: Comm, store, md: Metadata, plan: SharedPlan, stats) -> N
         return
     layout, total = _layout(plan, comm.rank)
     buf = torch.empty(total, dtype=torch.uint8)
-    futures = chunks.start_chunk_reads(chunks.chunk_io_for(store), [(md.arrays[a], i) for (a, i), _ in layout])
+    futures = chunks.start_chunk_reads(store, [(md.arrays[a], i) for (a, i), _ in layout])
     for ((array, index), off), fut in zip(layout, futures):
         raw = chunks.chunk_bytes(fut, md.arrays[array], index, f"loading {array!r}")
         buf[off:off + len(raw)].copy_(chunks.as_uint8(raw))

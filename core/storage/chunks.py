@@ -1,8 +1,8 @@
-"""Chunk-level tensor I/O on the tensorstore kvstore, in the zarr v3 on-disk layout.
+"""Chunk-level tensor I/O through the Storage interface, in the zarr v3 on-disk layout.
 
-Each array is a zarr v3 array (zarr.json written by tensorstore's zarr3 driver, "bytes" codec,
+Each array is a zarr v3 array (zarr.json as tensorstore's zarr3 driver writes it, "bytes" codec,
 little-endian, default chunk key encoding `c/i/j/...`), so tensorstore and zarr tools open it
-directly. The hot paths, though, move whole chunks through the kvstore themselves: measured on
+directly. The hot paths, though, move whole chunks through the storage themselves: measured on
 this project's benchmark, reading through the zarr3 driver (decode + copy into a fresh array +
 crc32c codec) was 4-8x slower than a kvstore read plus one copy into the target tensor. A chunk's
 zlib crc32 is recorded in the global metadata and checked on every load and by verify().
@@ -15,14 +15,11 @@ from __future__ import annotations
 import itertools
 import zlib
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
-from concurrent.futures import ThreadPoolExecutor
-
-from ..config import TUNABLES
 from ..errors import CheckpointError, CorruptCheckpointError
 from ..metadata import ArrayMeta
 
@@ -65,27 +62,11 @@ def _bits(t: torch.Tensor) -> np.ndarray:
     return t.view(_NO_NUMPY[t.dtype]).numpy() if t.dtype in _NO_NUMPY else t.numpy()
 
 
-def write_zarr_json(io, meta: ArrayMeta) -> object:
+def write_zarr_json(storage, meta: ArrayMeta):
     """Start writing the array's zarr.json (so tensorstore and zarr tools can open it)."""
     import json
     from .specs import zarr_json
-    raw = np.frombuffer(json.dumps(zarr_json(meta), sort_keys=True).encode(), dtype=np.uint8)
-    return io.write(f"{meta.path}/zarr.json", raw)[2]
-
-
-_POOL: Optional[ThreadPoolExecutor] = None
-
-
-def parallel_map(fn, items: Sequence) -> Iterator:
-    """fn over items on a small shared thread pool (crc32, tobytes and tensor copies release the
-    GIL, so chunks are encoded/checked in parallel while tensorstore does the I/O); in order."""
-    global _POOL
-    if len(items) <= 1:
-        return map(lambda a: fn(*a) if isinstance(a, tuple) else fn(a), items)
-    if _POOL is None:
-        _POOL = ThreadPoolExecutor(max_workers=TUNABLES.copy_concurrency, thread_name_prefix="bytecheckpoint-io")
-    futures = [_POOL.submit(fn, *a) if isinstance(a, tuple) else _POOL.submit(fn, a) for a in items]
-    return (f.result() for f in futures)
+    return storage.write(f"{meta.path}/zarr.json", memoryview(json.dumps(zarr_json(meta), sort_keys=True).encode()))
 
 
 @dataclass
@@ -103,7 +84,13 @@ class PendingWrite:
         return self.checksums
 
 
-def start_write(io, meta: ArrayMeta, array_offsets: Sequence[int], data: torch.Tensor,
+def _write_one(storage, key: str, payload: np.ndarray) -> Tuple[int, int, object]:
+    """On a worker thread: crc32 and write over the same memory (no copy of a contiguous payload)."""
+    data = memoryview(np.ascontiguousarray(payload)).cast("B")
+    return len(data), zlib.crc32(data), storage.write(key, data)
+
+
+def start_write(storage, workers, meta: ArrayMeta, array_offsets: Sequence[int], data: torch.Tensor,
                 pending: Optional[PendingWrite] = None) -> PendingWrite:
     """Encode and start writing every chunk of the box at `array_offsets` (whole chunks only)."""
     pending = pending or PendingWrite()
@@ -124,8 +111,8 @@ def start_write(io, meta: ArrayMeta, array_offsets: Sequence[int], data: torch.T
     if not box[1]:  # 0-d array: a single chunk
         encoded.append(((), bits))
     keys = [chunk_key(meta.path, index) for index, _ in encoded]
-    for (index, _), key, (nbytes, crc, fut) in zip(encoded, keys, parallel_map(io.write, [
-            (k, p) for k, (_, p) in zip(keys, encoded)])):
+    for (index, _), key, (nbytes, crc, fut) in zip(encoded, keys, workers.map(
+            lambda k, p: _write_one(storage, k, p), [(k, p) for k, (_, p) in zip(keys, encoded)])):
         pending.checksums[chunk_name(index)] = crc
         pending.nbytes += nbytes
         pending.futures.append((key, fut))
@@ -177,54 +164,54 @@ def check(raw, meta: ArrayMeta, index: Sequence[int], what: str, crc: Optional[i
                                      f"checkpoint is damaged (run `python -m bytecheckpoint verify` for a report)")
 
 
-class _Lazy:
-    """A read that happens when its result is asked for (on a worker thread, for POSIX files)."""
-
-    def __init__(self, io, key: str):
-        self.io, self.key = io, key
-
-    def result(self):
-        return self.io.read(self.key).result()
+def start_chunk_reads(storage, refs: Sequence[Tuple[ArrayMeta, Tuple[int, ...]]]) -> List[object]:
+    """Start reading whole chunks (all in flight for object stores; run lazily on the worker that
+    waits, for local files)."""
+    return [storage.read(chunk_key(meta.path, index)) for meta, index in refs]
 
 
-def start_chunk_reads(io, refs: Sequence[Tuple[ArrayMeta, Tuple[int, ...]]]) -> List[object]:
-    """Start reading whole chunks: all in flight for tensorstore; lazily, on the pool, for files."""
-    if getattr(io, "direct", False):
-        return [_Lazy(io, chunk_key(meta.path, index)) for meta, index in refs]
-    return [io.read(chunk_key(meta.path, index)) for meta, index in refs]
-
-
-def read_whole_into(io, meta: ArrayMeta, index: Sequence[int], parts, what: str) -> Optional[int]:
-    """Fast path: a chunk that lands whole in one contiguous destination is read straight into it.
-    Returns the bytes read, or None when the fast path does not apply."""
-    if not getattr(io, "direct", False) or len(parts) != 1:
-        return None
+def lands_whole(meta: ArrayMeta, parts) -> bool:
+    """A chunk that fills one contiguous CPU destination is read straight into it (no copy)."""
+    if len(parts) != 1:
+        return False
     part, dest = parts[0]
-    if tuple(part[1]) != tuple(meta.chunks) or not dest.is_contiguous() or dest.is_cuda:
-        return None
+    return tuple(part[1]) == tuple(meta.chunks) and dest.is_contiguous() and not dest.is_cuda
+
+
+def start_read_into(storage, meta: ArrayMeta, index: Sequence[int], dest: torch.Tensor):
+    flat = dest.reshape(-1)  # a view: dest is contiguous (0-d tensors too)
+    view = memoryview((flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat).numpy()).cast("B")
+    return storage.read_into(chunk_key(meta.path, index), view), view
+
+
+def finish_read_into(request, view: memoryview, meta: ArrayMeta, index: Sequence[int], what: str) -> int:
+    key = chunk_key(meta.path, index)
     try:
-        crc = io.read_into(chunk_key(meta.path, index), dest)
-    except OSError as exc:  # a failed read is a clean, named error on every path (not a bare OSError)
-        raise CheckpointError(f"reading {what} ({chunk_key(meta.path, index)}) failed: {exc}") from exc
-    if crc is None:
-        raise CorruptCheckpointError(f"{what}: chunk {chunk_key(meta.path, index)} is missing; the checkpoint "
-                                     f"is damaged")
-    check(None, meta, index, what, crc=crc)
-    return dest.numel() * dest.element_size()
+        got = request.result()
+    except CorruptCheckpointError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a failed read is a clean, named error on every path
+        raise CheckpointError(f"reading {what} ({key}) failed: {exc}") from exc
+    if got is None:
+        raise CorruptCheckpointError(f"{what}: chunk {key} is missing; the checkpoint is damaged")
+    check(None, meta, index, what, crc=zlib.crc32(view))
+    return len(view)
 
 
 def chunk_bytes(fut, meta: ArrayMeta, index: Sequence[int], what: str, verify: bool = True) -> bytes:
     """Wait for one chunk read and check it."""
     key = chunk_key(meta.path, index)
     try:
-        result = fut.result()
+        value = fut.result()
+    except CorruptCheckpointError:
+        raise
     except Exception as exc:  # noqa: BLE001 - name the tensor and the chunk
         raise CheckpointError(f"reading {what} ({key}) failed: {exc}") from exc
-    if result.state != "value":
+    if value is None:
         raise CorruptCheckpointError(f"{what}: chunk {key} is missing; the checkpoint is damaged")
     if verify:
-        check(result.value, meta, index, what)
-    return result.value
+        check(value, meta, index, what)
+    return value
 
 
 def as_uint8(raw) -> torch.Tensor:
@@ -239,4 +226,3 @@ def _from_bytes(raw: bytes, shape: Sequence[int], dtype: torch.dtype) -> torch.T
     return flat.view(dtype).view(tuple(shape))
 
 
-from .chunk_io import chunk_io_for  # noqa: E402  (re-exported: callers pick the I/O for a store)

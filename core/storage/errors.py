@@ -31,6 +31,10 @@ class StorageUnavailableError(StorageError):
     """A transient failure that persisted through every retry (server down, 5xx, timeouts)."""
 
 
+class StorageTimeoutError(StorageUnavailableError, TimeoutError):
+    """A request got no answer within the per-request timeout (a hung server or mount)."""
+
+
 _TS_CODE = re.compile(r"^([A-Z_]+):")
 
 
@@ -69,3 +73,14 @@ def _shorten(msg: str, limit: int = 400) -> str:
     """tensorstore appends the whole HTTP response body; keep the code and the server's message."""
     msg = re.sub(r"\s*\[http_response_body='.*?'\]", "", msg, flags=re.S)
     return msg if len(msg) <= limit else msg[:limit] + "..."
+
+
+def classify_os_error(exc: OSError, what: str, url: str) -> StorageError:
+    """The same classes for local file errors (ENOSPC, EACCES, ...)."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return StorageFullError(f"{what} failed: no space left on the storage of {url!r}; free space or raise "
+                                f"the quota. Nothing was committed. [{exc}]")
+    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return StorageAccessDeniedError(f"{what} failed: permission denied for {url!r}; check that this process "
+                                        f"may write there. [{exc}]")
+    return StorageError(f"{what} failed: {exc}")

@@ -1,34 +1,40 @@
-"""Fault injection at the kvstore layer, for tests (off unless configured; one dict lookup when off).
+"""Fault injection for tests: a Storage wrapper that fails, delays or kills requests by rule.
 
-Every key-value request of the library (tensor chunks, per-rank value files, the metadata
-commit, listing, deletes) goes through `Store.kv`. When faults are configured, `Store.kv` is a
-`FaultyKvStore` that wraps the real tensorstore KvStore and, for requests that match a rule,
-fails them the way tensorstore reports a failure (a future whose result() raises ValueError with a
-tensorstore-style status), delays them, or kills the process with SIGKILL.
+Nothing in the production path knows about it: a Checkpointer wraps its storages in
+`FaultyStorage` only while rules are installed on it. Install rules in-process with
 
-Configure in-process with the `inject(...)` context manager, or for subprocesses (every rank of a
-multi-process test) with the environment variable BCP_FAULTS holding a JSON list of rules:
+    with faults.inject({"op": "write", "kind": "enospc", "key": "/c/"}, checkpointer=ckpt): ...
+
+(`checkpointer` defaults to the default instance behind bcp.save/load), or for subprocesses
+(every rank of a multi-process test) with the environment variable BCP_FAULTS, read when a
+Checkpointer is built from the environment (the default instance, the adapters' own):
 
     BCP_FAULTS='[{"op": "write", "kind": "enospc", "key": "/c/", "rank": 1}]'
 
 Rule fields (see `Fault`): op (write|read|list|delete|sync|any), kind (error|enospc|denied|
-unavailable|slow|kill), key (substring of the key; "" = all), skip (let the first N matches
-pass), count (fire N times; 0 = every time), delay_s (slow), rank (only where RANK matches).
+unavailable|slow|hang|kill), key (substring of the key; "" = all), skip (let the first N matches
+pass), count (fire N times; 0 = every time), delay_s (slow/hang), rank (only where RANK matches).
+Failures look like the wrapped storage's own: OSError with an errno for local directories,
+the classified StorageError of a tensorstore status for kvstores.
 """
 from __future__ import annotations
 
 import contextlib
+import errno as _errno
 import json
 import os
 import signal
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+from .base import Done, Request, Storage, Version
+from .errors import classify, classify_os_error
 
 ENV = "BCP_FAULTS"
 OPS = ("write", "read", "list", "delete", "sync", "any")
-KINDS = ("error", "enospc", "denied", "unavailable", "slow", "kill")
+KINDS = ("error", "enospc", "denied", "unavailable", "slow", "hang", "kill")
 
 # What tensorstore itself says for each kind (the library's error handling sees the same text).
 _MESSAGES = {
@@ -40,6 +46,7 @@ _MESSAGES = {
     "unavailable": "UNAVAILABLE: InternalError: We encountered an internal error. Please try again. "
                    "[http_response_code='503'] [injected fault]",
 }
+_ERRNO = {"error": _errno.EIO, "enospc": _errno.ENOSPC, "denied": _errno.EACCES, "unavailable": _errno.EAGAIN}
 
 
 @dataclass
@@ -51,7 +58,6 @@ class Fault:
     count: int = 0
     delay_s: float = 0.0
     rank: Optional[int] = None
-    # bookkeeping
     seen: int = field(default=0, repr=False)
     fired: int = field(default=0, repr=False)
 
@@ -73,181 +79,139 @@ class Fault:
         return True
 
 
-_LOCK = threading.Lock()
-_ACTIVE: List[Fault] = []
-_ENV_LOADED: Optional[str] = None
+class Rules:
+    """The active rules of one Checkpointer (thread-safe)."""
+
+    def __init__(self, rules: Sequence[Fault] = ()):
+        self._lock = threading.Lock()
+        self._rules: List[Fault] = list(rules)
+
+    def __bool__(self) -> bool:
+        with self._lock:
+            return bool(self._rules)
+
+    def add(self, rules: Sequence[Fault]) -> None:
+        with self._lock:
+            self._rules.extend(rules)
+
+    def remove(self, rules: Sequence[Fault]) -> None:
+        with self._lock:
+            for r in rules:
+                if r in self._rules:
+                    self._rules.remove(r)
+
+    def fire(self, op: str, key: str) -> Optional[str]:
+        """Apply matching rules to one request: sleep for `slow`/`hang`, die for `kill`; return the
+        kind of a failing rule (or None)."""
+        with self._lock:
+            hits = [r for r in self._rules if r.matches(op, key)]
+        failing = None
+        for r in hits:
+            if r.kind in ("slow", "hang"):
+                time.sleep(r.delay_s if r.kind == "slow" else (r.delay_s or 3600))
+            elif r.kind == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+                time.sleep(60)  # pragma: no cover - SIGKILL is not deliverable late
+            elif failing is None:
+                failing = r.kind
+        return failing
 
 
-def _load_env() -> None:
-    """(Re)load the rules from BCP_FAULTS when it changes."""
-    global _ENV_LOADED
-    raw = os.environ.get(ENV, "")
-    if raw == _ENV_LOADED:
-        return
-    _ENV_LOADED = raw
-    _ACTIVE[:] = [r for r in _ACTIVE if not getattr(r, "_from_env", False)]
-    if raw:
-        for spec in json.loads(raw):
-            rule = Fault(**spec)
-            rule._from_env = True  # type: ignore[attr-defined]
-            _ACTIVE.append(rule)
-
-
-def active() -> bool:
-    with _LOCK:
-        _load_env()
-        return bool(_ACTIVE)
-
-
-@contextlib.contextmanager
-def inject(*rules: Fault | Dict[str, Any]) -> Iterator[List[Fault]]:
-    """Activate rules in this process for the duration of the block; yields them (see .fired)."""
-    made = [r if isinstance(r, Fault) else Fault(**r) for r in rules]
-    with _LOCK:
-        _ACTIVE.extend(made)
-    try:
-        yield made
-    finally:
-        with _LOCK:
-            for r in made:
-                if r in _ACTIVE:
-                    _ACTIVE.remove(r)
-
-
-def fire(op: str, key: str) -> Optional[str]:
-    """Apply matching rules for one request: sleep for `slow`, die for `kill`; return the error
-    message of a failing rule (or None)."""
-    with _LOCK:
-        _load_env()
-        hits = [r for r in _ACTIVE if r.matches(op, key)]
-    error = None
-    for r in hits:
-        if r.kind == "slow":
-            time.sleep(r.delay_s)
-        elif r.kind == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
-            time.sleep(60)  # pragma: no cover - SIGKILL is not deliverable late
-        elif error is None:
-            error = _MESSAGES[r.kind].format(key=key)
-    return error
-
-
-def check(op: str, key: str) -> None:
-    """For synchronous operations (sync): raise the injected error directly."""
-    msg = fire(op, key)
-    if msg is not None:
-        raise ValueError(msg)
-
-
-class FailedFuture:
-    """Stands in for a tensorstore Future whose request failed."""
-
-    def __init__(self, message: str):
-        self._exc = ValueError(message)
-
-    def result(self, timeout: Optional[float] = None) -> Any:
-        raise self._exc
-
-    def exception(self, timeout: Optional[float] = None) -> BaseException:
-        return self._exc
-
-    def done(self) -> bool:
-        return True
-
-    def add_done_callback(self, fn) -> None:
-        fn(self)
-
-    def cancel(self) -> bool:
-        return False
-
-    def __await__(self):  # pragma: no cover - the library does not await futures
-        raise self._exc
-        yield
-
-
-class FaultyKvStore:
-    """A tensorstore KvStore with faults injected in front of read/write/list/delete_range."""
-
-    def __init__(self, kv: Any):
-        self._kv = kv
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._kv, name)
-
-    def read(self, key, *args, **kwargs):
-        msg = fire("read", _key(key))
-        return FailedFuture(msg) if msg else self._kv.read(key, *args, **kwargs)
-
-    def write(self, key, value, *args, **kwargs):
-        msg = fire("delete" if value is None else "write", _key(key))
-        return FailedFuture(msg) if msg else self._kv.write(key, value, *args, **kwargs)
-
-    def list(self, *args, **kwargs):
-        msg = fire("list", "")
-        return FailedFuture(msg) if msg else self._kv.list(*args, **kwargs)
-
-    def delete_range(self, rng, *args, **kwargs):
-        msg = fire("delete", _key(getattr(rng, "inclusive_min", b"")))
-        return FailedFuture(msg) if msg else self._kv.delete_range(rng, *args, **kwargs)
-
-
-def wrap(kv: Any) -> Any:
-    return FaultyKvStore(kv)
-
-
-class _Failed:
-    def __init__(self, exc: BaseException):
-        self._exc = exc
-
-    def result(self):
-        raise self._exc
-
-
-_ERRNO = {"error": 5, "enospc": 28, "denied": 13, "unavailable": 11}
-
-
-class FaultyChunkIO:
-    """The same rules in front of the POSIX chunk I/O used for local directories (chunk_io.py),
-    failing the way the OS does (OSError with EIO / ENOSPC / EACCES / EAGAIN)."""
-
-    def __init__(self, io: Any):
-        self._io = io
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._io, name)
-
-    def _os_error(self, msg: str, key: str) -> OSError:
-        kind = next((k for k in _ERRNO if _MESSAGES[k].format(key=key) == msg), "error")
-        return OSError(_ERRNO[kind], f"{os.strerror(_ERRNO[kind])} [injected fault]", key)
-
-    def write(self, key: str, payload: Any):
-        msg = fire("write", key)
-        if msg:
-            return 0, 0, _Failed(self._os_error(msg, key))
-        return self._io.write(key, payload)
-
-    def read(self, key: str):
-        msg = fire("read", key)
-        return _Failed(self._os_error(msg, key)) if msg else self._io.read(key)
-
-    def read_into(self, key: str, dest: Any):
-        msg = fire("read", key)
-        if msg:
-            raise self._os_error(msg, key)
-        return self._io.read_into(key, dest)
-
-
-def wrap_chunk_io(io: Any) -> Any:
-    """Chunk I/O with faults, if any are configured (KvChunkIO already goes through Store.kv)."""
-    if getattr(io, "direct", False) and active():
-        return FaultyChunkIO(io)
-    return io
-
-
-def _key(key: Any) -> str:
-    return key.decode(errors="replace") if isinstance(key, (bytes, bytearray)) else str(key)
+def rules_from_env(env: Optional[Dict[str, str]] = None) -> List[Fault]:
+    raw = (os.environ if env is None else env).get(ENV, "")
+    return [Fault(**spec) for spec in json.loads(raw)] if raw else []
 
 
 def rules_env(rules: Sequence[Dict[str, Any]]) -> Dict[str, str]:
     """{BCP_FAULTS: json} for a subprocess environment."""
     return {ENV: json.dumps(list(rules))}
+
+
+@contextlib.contextmanager
+def inject(*rules: Fault | Dict[str, Any], checkpointer: Any = None) -> Iterator[List[Fault]]:
+    """Activate rules on `checkpointer` (default: the default instance) for the block; yields them."""
+    if checkpointer is None:
+        from ..checkpointer import default_checkpointer
+        checkpointer = default_checkpointer()
+    made = [r if isinstance(r, Fault) else Fault(**r) for r in rules]
+    checkpointer._faults.add(made)
+    try:
+        yield made
+    finally:
+        checkpointer._faults.remove(made)
+
+
+class FaultyStorage(Storage):
+    """`inner` with the rules applied in front of every request."""
+
+    def __init__(self, inner: Storage, rules: Rules):
+        self._inner, self._rules = inner, rules
+        self.url, self.scheme, self.request_timeout_s = inner.url, inner.scheme, inner.request_timeout_s
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def _error(self, kind: str, op: str, key: str, bulk: bool = False) -> Exception:
+        """What the wrapped storage itself raises: bulk POSIX requests fail with a bare OSError
+        (the chunk layer names the tensor), everything else with a classified StorageError."""
+        from .posix import PosixStorage
+        if isinstance(self._inner, PosixStorage):
+            exc = OSError(_ERRNO[kind], f"{os.strerror(_ERRNO[kind])} [injected fault]", key)
+            return exc if bulk else classify_os_error(exc, f"{op} {self.where(key)!r}", self.url)
+        return classify(ValueError(_MESSAGES[kind].format(key=key)), f"{op} {self.where(key)}", self.url)
+
+    def _check(self, op: str, key: str) -> None:
+        kind = self._rules.fire(op, key)
+        if kind is not None:
+            raise self._error(kind, op, key)
+
+    def _bulk(self, op: str, key: str, start) -> Request:
+        kind = self._rules.fire(op, key)
+        return Done(error=self._error(kind, op, key, bulk=True)) if kind else start()
+
+    def write(self, key: str, data: memoryview) -> Request:
+        return self._bulk("write", key, lambda: self._inner.write(key, data))
+
+    def read(self, key: str) -> Request:
+        return self._bulk("read", key, lambda: self._inner.read(key))
+
+    def read_into(self, key: str, dest: memoryview) -> Request:
+        return self._bulk("read", key, lambda: self._inner.read_into(key, dest))
+
+    def read_range(self, key: str, start: int, stop: int) -> Request:
+        return self._bulk("read", key, lambda: self._inner.read_range(key, start, stop))
+
+    def get(self, key: str) -> Optional[bytes]:
+        self._check("read", key)
+        return self._inner.get(key)
+
+    def get_versioned(self, key: str, known: Version = None) -> Tuple[Version, Optional[bytes], bool]:
+        self._check("read", key)
+        return self._inner.get_versioned(key, known)
+
+    def put(self, key: str, data: bytes, *, if_absent: bool = False, durable: bool = False) -> bool:
+        self._check("write", key)
+        return self._inner.put(key, data, if_absent=if_absent, durable=durable)
+
+    def list(self, prefix: str = "") -> List[str]:
+        self._check("list", prefix)
+        return self._inner.list(prefix)
+
+    def delete(self, key: str) -> None:
+        self._check("delete", key)
+        self._inner.delete(key)
+
+    def delete_prefix(self, prefix: str) -> None:
+        self._check("delete", prefix)
+        self._inner.delete_prefix(prefix)
+
+    def remove_root(self) -> None:
+        self._check("delete", "")
+        self._inner.remove_root()
+
+    def exists_any(self) -> bool:
+        return self._inner.exists_any()
+
+    def sync(self) -> None:
+        self._check("sync", self.url)
+        self._inner.sync()

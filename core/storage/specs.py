@@ -11,7 +11,6 @@ import hashlib
 import os
 from typing import Any, Dict, Mapping, Optional, Tuple
 
-from ..config import TUNABLES
 from ..errors import CheckpointError
 from ..metadata import ArrayMeta
 
@@ -27,6 +26,27 @@ _S3_OPTIONS = {
     "max_retries", "retry_initial_delay", "retry_max_delay",  # per-store retry policy for transient errors
 }
 _GS_OPTIONS = {"user_project", "max_retries", "retry_initial_delay", "retry_max_delay"}
+# Options for every kind of path, handled by the engine rather than the kvstore spec.
+COMMON_OPTIONS = {
+    "request_timeout",     # seconds one storage request may take before it fails naming its URL
+}
+DEFAULT_REQUEST_TIMEOUT_S = 300.0
+
+
+def split_common_options(url: str, storage_options: Optional[Mapping[str, Any]]
+                         ) -> Tuple[Dict[str, Any], Optional[float]]:
+    """(options for the kvstore spec, request timeout in seconds). storage_options must be a dict."""
+    if storage_options is None:
+        return {}, DEFAULT_REQUEST_TIMEOUT_S
+    if not isinstance(storage_options, Mapping):
+        raise CheckpointError(f"{url!r}: storage_options must be a dict (e.g. {{'endpoint': 'http://...'}}), got "
+                              f"{type(storage_options).__name__} {storage_options!r:.60}")
+    opts = dict(storage_options)
+    timeout = opts.pop("request_timeout", DEFAULT_REQUEST_TIMEOUT_S)
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
+        raise CheckpointError(f"{url!r}: storage_options request_timeout must be a positive number of seconds "
+                              f"or None, got {timeout!r}")
+    return opts, None if timeout is None else float(timeout)
 # Transient failures (5xx, 429/SlowDown, connection errors) are retried with exponential backoff:
 # 50ms, 100ms, ... capped at 10s, 10 attempts (~30s in all) before a StorageUnavailableError.
 # Permanent ones (403, no bucket) are not retried. Per store: storage_options max_retries,
@@ -203,14 +223,14 @@ def _no_options(url: str, opts: Mapping[str, Any]) -> None:
         raise CheckpointError(f"{url!r}: storage_options {sorted(opts)} do not apply to this kind of path")
 
 
-def context_spec() -> Dict[str, Any]:
-    """All concurrency limits in one place."""
+def context_spec(io_concurrency: int = 32, copy_concurrency: int = 4) -> Dict[str, Any]:
+    """All concurrency limits in one place (one Context per Checkpointer)."""
     return {
-        "file_io_concurrency": {"limit": TUNABLES.io_concurrency},
-        # durability comes from one Store.sync() per rank before the commit, not per-file fsync
+        "file_io_concurrency": {"limit": io_concurrency},
+        # durability comes from one Storage.sync() per rank before the commit, not per-file fsync
         "file_io_sync": False,
-        "data_copy_concurrency": {"limit": TUNABLES.copy_concurrency},
-        "s3_request_concurrency": {"limit": TUNABLES.io_concurrency},
+        "data_copy_concurrency": {"limit": copy_concurrency},
+        "s3_request_concurrency": {"limit": io_concurrency},
         "experimental_s3_rate_limiter": {},
         "s3_request_retries": dict(RETRY_DEFAULTS),
         "gcs_request_retries": dict(RETRY_DEFAULTS),

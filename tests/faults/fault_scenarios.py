@@ -63,11 +63,11 @@ def check_state(state, version: int, rank: int, world: int, scale: int = 1) -> N
         assert torch.equal(a, b), f"tensor {k} differs from version {version}"
 
 
-def load_and_check(path: str, version: int, scale: int = 1, storage_options=None) -> None:
+def load_and_check(path: str, version: int, scale: int = 1, storage_options=None, ckpt=None) -> None:
     """Load `path` at this process's world size and check it is exactly `version`."""
     rank, world = rank_world()
     state = build_state(version, rank, world, scale, zero=True)
-    bcp.load(path, state, storage_options=storage_options)
+    (ckpt or bcp).load(path, state, storage_options=storage_options)
     check_state(state, version, rank, world, scale)
 
 
@@ -82,7 +82,7 @@ def _mark(marker_dir, name):
 
 # ---------------------------------------------------------------------- kill trials
 def save_version(path, version, async_save=False, overwrite=False, scale=1, marker_dir=None,
-                 storage_options=None):
+                 storage_options=None, ckpt=None):
     """Save version `version`; markers: ready.R just before save(), done.R after it committed."""
     rank, world = rank_world()
     state = build_state(version, rank, world, scale)
@@ -90,7 +90,7 @@ def save_version(path, version, async_save=False, overwrite=False, scale=1, mark
         dist.barrier()
     _mark(marker_dir, "ready")
     t0 = time.perf_counter()
-    h = bcp.save(path, state, async_save=async_save, overwrite=overwrite, storage_options=storage_options)
+    h = (ckpt or bcp).save(path, state, async_save=async_save, overwrite=overwrite, storage_options=storage_options)
     if async_save:
         t_stall = time.perf_counter() - t0
         for v in state["model"].values():  # training goes on
@@ -110,11 +110,10 @@ def save_then_load(paths, version, scale=1, storage_options=None):
 
 
 def save_two(first, second, async_save=False, scale=1, storage_options=None, overwrite=False):
-    """Version 1 to `first` (no faults), then version 2 to `second` (where the test's fault fires)."""
-    faults_env = os.environ.pop("BCP_FAULTS", None)
-    save_version(first, 1, scale=scale, storage_options=storage_options)
-    if faults_env:
-        os.environ["BCP_FAULTS"] = faults_env
+    """Version 1 to `first` (no faults), then version 2 to `second` (where the test's fault fires:
+    bcp.save's default Checkpointer takes the rules from BCP_FAULTS)."""
+    with bcp.Checkpointer() as fault_free:
+        save_version(first, 1, scale=scale, storage_options=storage_options, ckpt=fault_free)
     save_version(second, 2, async_save=async_save, overwrite=overwrite, scale=scale,
                  storage_options=storage_options)
 
@@ -145,11 +144,12 @@ def expect_failure(op, path, version, error="CheckpointError", match="", async_s
         assert took < max_s, f"rank {rank}: took {took:.1f}s"
         print(f"rank {rank}: RAISED {type(exc).__name__} in {took:.2f}s: {str(exc)[:3000]}", flush=True)
         if then_save:
-            # the fault goes away; this process and its process group stay usable: a later save
-            # to a new path works and loads back
-            os.environ.pop("BCP_FAULTS", None)
-            save_version(path + "-after", version + 100, scale=scale, storage_options=storage_options)
-            load_and_check(path + "-after", version + 100, scale, storage_options)
+            # the fault goes away (a Checkpointer without the rules); this process and its process
+            # group stay usable: a later save to a new path works and loads back
+            with bcp.Checkpointer() as fault_free:
+                save_version(path + "-after", version + 100, scale=scale, storage_options=storage_options,
+                             ckpt=fault_free)
+                load_and_check(path + "-after", version + 100, scale, storage_options, ckpt=fault_free)
             print(f"rank {rank}: LATER_SAVE_OK", flush=True)
         return
     raise AssertionError(f"rank {rank}: {op} of {path} did not fail")
@@ -179,6 +179,6 @@ def racing_job(path, version, marker_dir, ranks_total, storage_options=None):
 def retention_on_ranks(directory, k):
     import dataclasses
     import json
-    from bytecheckpoint.retention import keep_last
+    from bytecheckpoint import keep_last
     report = keep_last(directory, k)
     print(f"REPORT {json.dumps(dataclasses.asdict(report))}", flush=True)

@@ -65,8 +65,12 @@ def _check_detected(path, what):
 
 @pytest.fixture(params=["posix", "tensorstore"])
 def io(request, monkeypatch):
-    monkeypatch.setenv("BCP_FILE_IO", request.param)
-    return request.param
+    """bcp.* calls go through a default Checkpointer using this local I/O path."""
+    import bytecheckpoint.checkpointer as engine
+    ckpt = bcp.Checkpointer(local_io=request.param)
+    monkeypatch.setattr(engine, "_DEFAULT", ckpt)
+    yield request.param
+    ckpt.close()
 
 
 def _flip_sweep(tmp_path, picks_per_file, seed):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import bytecheckpoint as bcp
-from bytecheckpoint.retention import keep_last
+from bytecheckpoint import keep_last
 from bytecheckpoint.storage import faults
 
 import fault_scenarios as fs

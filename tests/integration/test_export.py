@@ -55,10 +55,9 @@ def measure_main(argv) -> None:
     p.add_argument("out")
     p.add_argument("--shard", default="5GB")
     a = p.parse_args(argv)
-    from bytecheckpoint.loader import read_metadata
-    from bytecheckpoint.storage import Store
+    import bytecheckpoint as bcp
     if a.mode != "import":
-        read_metadata(Store(a.ckpt))  # warm imports/context: the baseline includes the library itself
+        bcp.inspect(a.ckpt)  # warm imports/context: the baseline includes the library itself
     base = _status_mib("VmRSS")
     base_anon = _status_mib("RssAnon")
     anon_peak = [base_anon]

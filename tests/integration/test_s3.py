@@ -13,11 +13,15 @@ import pytest
 import torch
 
 import bytecheckpoint as bcp
-from bytecheckpoint.storage import Store
 from bytecheckpoint.storage.errors import (BucketNotFoundError, StorageAccessDeniedError, StorageFullError,
                                            StorageUnavailableError)
 
 from seaweed import ACCESS_KEY, SECRET_KEY, FaultProxy, seaweed  # noqa: F401 - fixture
+
+
+def _store(url, opts):
+    """The storage object the default Checkpointer uses for `url` (to look inside)."""
+    return bcp.default_checkpointer().storage(url, opts)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 pytestmark = pytest.mark.timeout(300)
@@ -136,7 +140,7 @@ def test_single_process_roundtrip_and_async(seaweed, bucket):
     bcp.load(url, out, storage_options=opts)
     assert torch.equal(out["w"], state["w"])
     # overwrite removed the first save's data objects
-    data_dirs = {k.split("/")[0] for k in Store(url, opts).list() if k.startswith("data-")}
+    data_dirs = {k.split("/")[0] for k in _store(url, opts).list() if k.startswith("data-")}
     assert len(data_dirs) == 1
 
 
@@ -146,12 +150,12 @@ def test_commit_is_the_metadata_object_not_a_listing(seaweed, bucket):
     opts = seaweed.storage_options
     src, dst = f"s3://{bucket}/src", f"s3://{bucket}/copy"
     bcp.save(src, {"w": torch.randn(8, 8), "step": 1}, storage_options=opts)
-    a, b = Store(src, opts), Store(dst, opts)
+    a, b = _store(src, opts), _store(dst, opts)
     keys = a.list()
     assert "metadata.json" in keys
     for k in keys:
         if k != "metadata.json":
-            b.write_bytes(k, a.read_bytes(k))
+            b.put(k, a.get(k))
     assert sorted(b.list()) == sorted(k for k in keys if k != "metadata.json")
     with pytest.raises(bcp.IncompleteCheckpointError, match="did not finish"):
         bcp.load(dst, {"w": torch.zeros(8, 8), "step": 0}, storage_options=opts)
@@ -160,7 +164,7 @@ def test_commit_is_the_metadata_object_not_a_listing(seaweed, bucket):
     assert not info.complete and "no metadata.json" in info.problem
     assert not bcp.verify(dst, storage_options=opts).ok
     # and writing the metadata object (one PUT) makes it complete, all at once
-    b.write_bytes("metadata.json", a.read_bytes("metadata.json"))
+    b.put("metadata.json", a.get("metadata.json"))
     assert bcp.verify(dst, storage_options=opts).ok
 
 
@@ -175,7 +179,7 @@ def test_failed_commit_leaves_nothing_committed(seaweed, bucket):
     with faults.inject({"op": "write", "kind": "unavailable", "key": "metadata.json"}):
         with pytest.raises(bcp.CheckpointError, match="unavailable"):
             bcp.save(url, {"w": torch.zeros(8)}, storage_options=opts)
-    assert any(k.startswith("data-") for k in Store(url, opts).list())
+    assert any(k.startswith("data-") for k in _store(url, opts).list())
     assert bcp.verify(prev, storage_options=opts).ok
     info = bcp.inspect(url, storage_options=opts)
     assert not info.complete
@@ -186,15 +190,15 @@ def test_failed_commit_leaves_nothing_committed(seaweed, bucket):
 def test_object_store_conditional_commit(seaweed, bucket):
     """The commit PUT is conditional (If-None-Match): a second writer of the same new metadata
     object loses, even when both found it absent."""
-    store = Store(f"s3://{bucket}/cond", seaweed.storage_options)
+    store = _store(f"s3://{bucket}/cond", seaweed.storage_options)
     kv = store.kv
     absent = kv.read("metadata.json").result()
     assert absent.state == "missing"
     first = kv.write("metadata.json", b"A", if_equal=absent.stamp.generation).result()
     second = kv.write("metadata.json", b"B", if_equal=absent.stamp.generation).result()
     assert first.generation != b"" and second.generation == b""
-    assert store.read_bytes("metadata.json") == b"A"
-    assert store.write_bytes("metadata.json", b"C", only_if_absent=True) is False
+    assert store.get("metadata.json") == b"A"
+    assert store.put("metadata.json", b"C", if_absent=True) is False
 
 
 # ---------------------------------------------------------------------- permanent errors
@@ -316,11 +320,11 @@ def test_flipped_byte_in_object_is_detected(seaweed, bucket):
     url = f"s3://{bucket}/flip"
     state = {"w": torch.randn(16, 16)}
     bcp.save(url, state, storage_options=opts)
-    store = Store(url, opts)
+    store = _store(url, opts)
     chunk = next(k for k in store.list() if "/c/" in k or k.endswith("/c"))
-    raw = bytearray(store.read_bytes(chunk))
+    raw = bytearray(store.get(chunk))
     raw[len(raw) // 2] ^= 0x10
-    store.write_bytes(chunk, bytes(raw))
+    store.put(chunk, bytes(raw))
     with pytest.raises(bcp.CorruptCheckpointError):
         bcp.load(url, {"w": torch.zeros(16, 16)}, storage_options=opts)
     report = bcp.verify(url, storage_options=opts)
@@ -329,22 +333,22 @@ def test_flipped_byte_in_object_is_detected(seaweed, bucket):
 
 # ---------------------------------------------------------------------- retention
 def test_keep_last_on_s3(seaweed, bucket):
-    from bytecheckpoint.retention import keep_last
+    from bytecheckpoint import keep_last
     opts = seaweed.storage_options
     run = f"s3://{bucket}/run"
     for v in (1, 2, 3):
         bcp.save(f"{run}/step-{v}", {"w": torch.full((4,), float(v))}, storage_options=opts)
         time.sleep(0.01)
-    store = Store(f"{run}/step-3", opts)  # a crashed save next to them: data, no metadata
-    crashed = Store(f"{run}/step-4", opts)
+    store = _store(f"{run}/step-3", opts)  # a crashed save next to them: data, no metadata
+    crashed = _store(f"{run}/step-4", opts)
     for k in store.list():
         if k != "metadata.json":
-            crashed.write_bytes(k, store.read_bytes(k))
+            crashed.put(k, store.get(k))
     report = keep_last(run, 1, storage_options=opts)
     assert report.kept == [f"{run}/step-3"]
     assert sorted(report.deleted) == [f"{run}/step-1", f"{run}/step-2"]
     assert report.incomplete == [f"{run}/step-4"]
-    names = {k.split("/")[0] for k in Store(run, opts).list()}
+    names = {k.split("/")[0] for k in _store(run, opts).list()}
     assert names == {"step-3", "step-4"}
     out = {"w": torch.zeros(4)}
     bcp.load(f"{run}/step-3", out, storage_options=opts)

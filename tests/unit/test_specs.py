@@ -10,7 +10,7 @@ from bytecheckpoint.storage import errors as serr
 from bytecheckpoint.storage import faults
 from bytecheckpoint.storage.specs import (RETRY_DEFAULTS, STATIC_PROFILE, context_spec, kvstore_spec, split_url,
                                           static_credentials_files)
-from bytecheckpoint.storage.store import Store
+import bytecheckpoint as bcp
 
 NOENV = {}
 
@@ -134,7 +134,9 @@ def test_specs_are_valid_tensorstore_specs(opts, url):
 
 
 def test_store_writes_private_credentials_file():
-    store = Store("s3://bkt/p", {"endpoint": "http://127.0.0.1:9", "access_key_id": "AK", "secret_access_key": "SK"})
+    ckpt = bcp.Checkpointer()
+    store = ckpt.storage("s3://bkt/p", {"endpoint": "http://127.0.0.1:9", "access_key_id": "AK",
+                                        "secret_access_key": "SK"})
     creds = store.kv_spec["aws_credentials"]
     mode = stat.S_IMODE(os.stat(creds["credentials_file"]).st_mode)
     assert mode == 0o600
@@ -142,6 +144,8 @@ def test_store_writes_private_credentials_file():
     with open(creds["credentials_file"]) as f:
         assert "aws_secret_access_key = SK" in f.read()
     assert os.path.exists(creds["config_file"])
+    ckpt.close()  # the instance's private credentials directory goes with it
+    assert not os.path.exists(creds["credentials_file"])
 
 
 @pytest.mark.parametrize("message,kind", [
@@ -169,41 +173,50 @@ def test_classify(message, kind):
 
 
 def test_fault_rules():
-    with faults.inject({"op": "write", "kind": "enospc", "key": "/c/", "skip": 1, "count": 2}) as (rule,):
-        assert faults.active()
-        assert faults.fire("write", "d/a/zarr.json") is None    # key does not match
-        assert faults.fire("write", "d/a/c/0") is None          # skipped
-        assert "No space left" in faults.fire("write", "d/a/c/1")
-        assert "No space left" in faults.fire("write", "d/a/c/2")
-        assert faults.fire("write", "d/a/c/3") is None          # count exhausted
-        assert faults.fire("read", "d/a/c/0") is None           # other op
-        assert rule.fired == 2
-    assert not faults.active()
+    rules = faults.Rules()
+    assert not rules
+    (rule,) = made = [faults.Fault(op="write", kind="enospc", key="/c/", skip=1, count=2)]
+    rules.add(made)
+    assert rules
+    assert rules.fire("write", "d/a/zarr.json") is None    # key does not match
+    assert rules.fire("write", "d/a/c/0") is None          # skipped
+    assert rules.fire("write", "d/a/c/1") == "enospc"
+    assert rules.fire("write", "d/a/c/2") == "enospc"
+    assert rules.fire("write", "d/a/c/3") is None          # count exhausted
+    assert rules.fire("read", "d/a/c/0") is None           # other op
+    assert rule.fired == 2
+    rules.remove(made)
+    assert not rules
     with pytest.raises(ValueError, match="fault kind"):
         faults.Fault(kind="explode")
 
 
 def test_fault_rank_filter(monkeypatch):
     monkeypatch.setenv("RANK", "1")
-    with faults.inject({"kind": "error", "rank": 0}):
-        assert faults.fire("write", "k") is None
-    with faults.inject({"kind": "error", "rank": 1}):
-        assert faults.fire("write", "k") is not None
+    assert faults.Rules([faults.Fault(kind="error", rank=0)]).fire("write", "k") is None
+    assert faults.Rules([faults.Fault(kind="error", rank=1)]).fire("write", "k") == "error"
 
 
 def test_fault_env(monkeypatch):
     monkeypatch.setenv(faults.ENV, '[{"op": "read", "kind": "denied"}]')
-    assert "PERMISSION_DENIED" in faults.fire("read", "x")
+    (rule,) = faults.rules_from_env()
+    assert (rule.op, rule.kind) == ("read", "denied")
+    ckpt = bcp.Checkpointer.from_env()
+    assert ckpt._faults and isinstance(ckpt.storage("/tmp/x"), faults.FaultyStorage)
     monkeypatch.delenv(faults.ENV)
-    assert not faults.active()
+    assert not faults.rules_from_env()
+    assert not isinstance(bcp.Checkpointer.from_env().storage("/tmp/x"), faults.FaultyStorage)
 
 
-def test_faulty_store_raises_classified_errors(tmp_path):
-    with faults.inject({"op": "write", "kind": "enospc", "key": "obj"}):
-        store = Store(str(tmp_path / "ck"))
+@pytest.mark.parametrize("local_io", ["posix", "tensorstore"])
+def test_faulty_store_raises_classified_errors(tmp_path, local_io):
+    ckpt = bcp.Checkpointer(local_io=local_io)
+    with faults.inject({"op": "write", "kind": "enospc", "key": "obj"}, checkpointer=ckpt):
+        store = ckpt.storage(str(tmp_path / "ck"))
         with pytest.raises(serr.StorageFullError, match="no space left.*ck"):
-            store.write_bytes("obj", b"x")
-        assert store.write_bytes("other", b"x")
-    with faults.inject({"op": "read", "kind": "denied"}):
-        with pytest.raises(serr.StorageAccessDeniedError, match="access denied"):
-            Store(str(tmp_path / "ck")).read_bytes("other")
+            store.put("obj", b"x")
+        assert store.put("other", b"x")
+    with faults.inject({"op": "read", "kind": "denied"}, checkpointer=ckpt):
+        with pytest.raises(serr.StorageAccessDeniedError, match="(access|permission) denied"):
+            ckpt.storage(str(tmp_path / "ck")).get("other")
+    assert ckpt.storage(str(tmp_path / "ck")).get("other") == b"x"  # rules gone with the block

@@ -1,0 +1,65 @@
+"""The module-level API: thin calls on the default Checkpointer (built from the environment on
+first use). Use a `bcp.Checkpointer` of your own for other options or several configurations."""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence
+
+from .checkpointer import default_checkpointer
+from .handles import SaveHandle
+from .inspect import CheckpointInfo, VerifyReport
+from .retention import RetentionReport
+
+
+def save(path, state: Dict[str, Any], *, async_save: bool = False, process_group=None, overwrite: bool = False,
+         storage_options: Optional[Mapping[str, Any]] = None) -> SaveHandle:
+    """Save `state` to `path` from every rank of `process_group` (collective)."""
+    return default_checkpointer().save(path, state, overwrite=overwrite, async_save=async_save,
+                                       process_group=process_group, storage_options=storage_options)
+
+
+def load(path, state: Dict[str, Any], *, process_group=None, strict: bool = True,
+         storage_options: Optional[Mapping[str, Any]] = None, allow_pickle: bool = False) -> Dict[str, Any]:
+    """Load a checkpoint into `state` in place (collective); returns `state`."""
+    return default_checkpointer().load(path, state, strict=strict, allow_pickle=allow_pickle,
+                                       process_group=process_group, storage_options=storage_options)
+
+
+def load_full(path, *, keys: Optional[Sequence[str]] = None, process_group=None,
+              storage_options: Optional[Mapping[str, Any]] = None, allow_pickle: bool = False) -> Dict[str, Any]:
+    """The saved state as nested dicts/lists with full CPU tensors and plain values (no template)."""
+    return default_checkpointer().load_full(path, keys=keys, allow_pickle=allow_pickle, process_group=process_group,
+                                            storage_options=storage_options)
+
+
+def wait_pending() -> None:
+    """Wait for every in-flight async save of bcp.save; re-raise the first failure."""
+    default_checkpointer().wait()
+
+
+def inspect(path, storage_options: Optional[Mapping[str, Any]] = None) -> CheckpointInfo:
+    """What a checkpoint holds, from its metadata alone. An incomplete one is reported, not raised."""
+    return default_checkpointer().inspect(path, storage_options=storage_options)
+
+
+def verify(path, storage_options: Optional[Mapping[str, Any]] = None,
+           progress: Optional[Callable[[int, int], None]] = None) -> VerifyReport:
+    """Read every stored byte and check every checksum and the metadata's coverage."""
+    return default_checkpointer().verify(path, storage_options=storage_options, progress=progress)
+
+
+def is_checkpoint(path, storage_options: Optional[Mapping[str, Any]] = None) -> bool:
+    """True only for a committed checkpoint (its metadata file exists and parses)."""
+    return default_checkpointer().is_checkpoint(path, storage_options=storage_options)
+
+
+def delete(path, storage_options: Optional[Mapping[str, Any]] = None) -> None:
+    """Remove a checkpoint: the commit point first, so a half-deleted one never looks valid."""
+    default_checkpointer().delete(path, storage_options=storage_options)
+
+
+def keep_last(directory, k: int, *, storage_options: Optional[Mapping[str, Any]] = None, process_group=None,
+              dry_run: bool = False, remove_incomplete_older_than_s: Optional[float] = None) -> RetentionReport:
+    """Delete all but the newest `k` complete checkpoints under `directory` (see retention.py)."""
+    return default_checkpointer().keep_last(directory, k, storage_options=storage_options,
+                                            process_group=process_group, dry_run=dry_run,
+                                            remove_incomplete_older_than_s=remove_incomplete_older_than_s)

@@ -1,0 +1,376 @@
+"""The engine as an object: `Checkpointer` owns every resource a save or load uses.
+
+    with bcp.Checkpointer(async_save=True, storage_options=opts) as ckpt:
+        h = ckpt.save("s3://bucket/run/step_100", state)
+        ...
+        ckpt.load("s3://bucket/run/step_100", state)
+
+It owns the staging pool, the background runner and per-operation worker threads, the pending
+saves, the plan cache, a metadata cache, the host list per process group, the tensorstore
+Context and the opened storages. Two instances with different options work side by side;
+`close()` waits for pending saves and frees all of it. `bcp.save` / `bcp.load` are thin calls on
+a default instance built from the environment (see options.py).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections import OrderedDict
+from typing import Any, Dict, List, Mapping, Optional, Sequence
+
+from . import inspect as inspection
+from . import loader, saver
+from .comm import Comm
+from .errors import CheckpointError, CheckpointerClosedError
+from .flatten import flatten_for_save
+from .handles import PendingSaves, SaveHandle
+from .metadata import METADATA_FILE, Metadata
+from .options import Options
+from .staging import StagingPool
+from .storage import Storage, StorageEnv, faults, open_storage
+from .storage.specs import context_spec, static_credentials_files
+from .workers import BackgroundRunner, Workers
+
+_UNSET: Any = object()  # "the instance's own setting" for per-call overrides
+_METADATA_CACHE_SIZE = 8
+_STORAGE_CACHE_SIZE = 64
+
+
+class Checkpointer:
+    """Saves and loads checkpoints; see the module docstring and README for the options.
+
+    Args:
+        storage_options: endpoint, region, credentials, retries, request_timeout (remote stores).
+        async_save: save() returns once the state is copied out; writing and commit run in the
+            background (wait with the handle, `wait()`, or the next save).
+        process_group: the ranks that take part (default: the default group, if initialised).
+            `bytecheckpoint.LOCAL` makes every call this process's alone.
+        staging_slots: staging buffer sets for async saves (2 = ping-pong).
+        io_threads: worker threads per operation (checksums, encoding, file I/O).
+        zero_redundancy: "auto" | True | False: read bytes several ranks need once and share them.
+        timeout_s: longest wait for peers (arrival at a save/load, an async commit).
+        dead_peer_s: an async save gives up on a peer whose heartbeat stopped this long ago.
+    """
+
+    def __init__(self, *, storage_options: Optional[Mapping[str, Any]] = None, async_save: bool = False,
+                 process_group: Any = None, staging_slots: int = 2, io_threads: Optional[int] = None,
+                 zero_redundancy: Any = "auto", timeout_s: float = 600, dead_peer_s: float = 30,
+                 io_concurrency: int = 32, local_io: str = "posix", _options: Optional[Options] = None,
+                 _faults: Sequence[faults.Fault] = ()):
+        self.options = _options or Options(async_save=bool(async_save), staging_slots=staging_slots,
+                                           io_threads=io_threads, io_concurrency=io_concurrency,
+                                           zero_redundancy=zero_redundancy, timeout_s=timeout_s,
+                                           dead_peer_s=dead_peer_s, local_io=local_io)
+        if storage_options is not None and not isinstance(storage_options, Mapping):
+            raise CheckpointError(f"Checkpointer: storage_options must be a dict, got {type(storage_options).__name__}")
+        self.storage_options = dict(storage_options) if storage_options else None
+        self.process_group = process_group
+        self.last_load_stats = loader.LoadStats()
+        self._faults = faults.Rules(_faults)
+        self._pending = PendingSaves()
+        self._runner = BackgroundRunner()
+        self._plans = saver.PlanCache()
+        self._pool: Optional[StagingPool] = None
+        self._metadata: "OrderedDict[str, tuple]" = OrderedDict()
+        self._storages: "OrderedDict[tuple, Storage]" = OrderedDict()
+        self._hosts: Dict[Any, List[str]] = {}
+        self._context = None
+        self._secrets: Optional[str] = None
+        self._lock = threading.RLock()
+        self._closed = False
+
+    @classmethod
+    def from_env(cls, env: Optional[Mapping[str, str]] = None, *, storage_options: Optional[Mapping[str, Any]] = None,
+                 process_group: Any = None, **overrides: Any) -> "Checkpointer":
+        """Options from BCP_* environment variables, then `overrides`; fault rules from BCP_FAULTS."""
+        return cls(storage_options=storage_options, process_group=process_group,
+                   _options=Options.from_env(env, **overrides), _faults=faults.rules_from_env(env))
+
+    # ------------------------------------------------------------------ save / load
+    def save(self, path, state: Dict[str, Any], *, overwrite: bool = False, async_save: Optional[bool] = None,
+             process_group: Any = _UNSET, storage_options: Any = _UNSET) -> SaveHandle:
+        """Save `state` to `path` from every rank of the process group (collective); see README."""
+        self._check_open()
+        t0 = time.perf_counter()
+        self._pending.raise_finished_failures()
+        background = self.options.async_save if async_save is None else bool(async_save)
+        comm = self._comm(process_group)
+        store = self.storage(path, storage_options)
+        comm.arrive(self.options.timeout_s, f"save to {store.url!r}")
+        flat, manifest, blob = comm.run(lambda: _prepare(state), "preparing the state for save")
+        local, full, save_id, old_data = saver.plan(comm, store, manifest, overwrite, self._plans,
+                                                   self._read_metadata)
+        data = saver.sources(flat, local.writes)
+        job = saver.Job(comm, store, local, full, save_id, old_data, flat.structure, overwrite, blob)
+        handle = SaveHandle(str(path), pending=self._pending)
+        if not background:
+            with Workers(self.options.threads) as workers:
+                job.run_sync(workers, data)
+            handle.stats["total_s"] = time.perf_counter() - t0
+            return handle
+
+        pool = self._staging()
+        slot = pool.acquire()
+        try:
+            staged = pool.stage(slot, [((w.key, w.offsets, w.lengths, t.dtype), t) for w, t in zip(local.writes, data)])
+            board = job.board(self.options.timeout_s, self.options.dead_peer_s)
+            beat = board.heartbeat().start()  # from now on peers can tell this rank is alive
+        except BaseException:
+            pool.release(slot)
+            raise
+
+        def run() -> None:
+            try:
+                with Workers(self.options.threads) as workers:
+                    job.run_background(workers, staged, board)
+            finally:
+                beat.stop()
+                pool.release(slot)
+
+        handle._future = self._runner.submit(run)
+        self._runner.submit(lambda: pool.warm(slot))  # off the training thread: pre-fault the other slot
+        handle.stats["stall_s"] = time.perf_counter() - t0
+        self._pending.add(handle)
+        return handle
+
+    def load(self, path, state: Dict[str, Any], *, strict: bool = True, allow_pickle: bool = False,
+             process_group: Any = _UNSET, storage_options: Any = _UNSET) -> Dict[str, Any]:
+        """Load a checkpoint into `state` in place (collective); returns `state`."""
+        self._check_open()
+        comm = self._comm(process_group)
+        store = self.storage(path, storage_options)
+        comm.arrive(self.options.timeout_s, f"load of {store.url!r}")
+        md = comm.run_on_coordinator(lambda: self._read_metadata(store), "reading checkpoint metadata")
+        stats = loader.LoadStats()
+        share = self._share(comm, store)
+        with Workers(self.options.threads) as workers:
+            loader.load(comm, store, workers, md, state, strict=strict, allow_pickle=allow_pickle, share=share,
+                        stats=stats)
+        self.last_load_stats = stats
+        return state
+
+    def load_full(self, path, *, keys: Optional[Sequence[str]] = None, allow_pickle: bool = False,
+                  process_group: Any = _UNSET, storage_options: Any = _UNSET) -> Dict[str, Any]:
+        """The saved state without a template (full CPU tensors); `keys`: some top-level keys."""
+        self._check_open()
+        comm = self._comm(process_group)
+        store = self.storage(path, storage_options)
+        md = comm.run_on_coordinator(lambda: self._read_metadata(store), "reading checkpoint metadata")
+        with Workers(self.options.threads) as workers:
+            return loader.load_full(comm, store, workers, md, keys=keys, allow_pickle=allow_pickle)
+
+    # ------------------------------------------------------------------ looking at checkpoints
+    def metadata(self, path, *, storage_options: Any = _UNSET) -> Metadata:
+        """The checkpoint's global metadata (this process only; cached while unchanged)."""
+        self._check_open()
+        return self._read_metadata(self.storage(path, storage_options))
+
+    def is_checkpoint(self, path, *, storage_options: Any = _UNSET) -> bool:
+        """True only for a committed checkpoint (its metadata file exists and parses)."""
+        try:
+            self.metadata(path, storage_options=storage_options)
+            return True
+        except CheckpointError:
+            return False
+
+    def inspect(self, path, *, storage_options: Any = _UNSET) -> "inspection.CheckpointInfo":
+        self._check_open()
+        return inspection.info(self.storage(path, storage_options), self._read_metadata, str(path))
+
+    def verify(self, path, *, storage_options: Any = _UNSET, progress=None) -> "inspection.VerifyReport":
+        self._check_open()
+        with Workers(self.options.threads) as workers:
+            return inspection.verify_store(self.storage(path, storage_options), workers, self._read_metadata,
+                                           str(path), progress)
+
+    def delete(self, path, *, storage_options: Any = _UNSET) -> None:
+        """Remove a checkpoint: the commit point first, so a half-deleted one never looks valid."""
+        self._check_open()
+        store = self.storage(path, storage_options)
+        for h in self._pending.handles():
+            if _same_target(h.path, store.url):
+                h.wait()
+        inspection.delete_store(store)
+        self._metadata.pop(store.url, None)
+
+    def keep_last(self, directory, k: int, *, storage_options: Any = _UNSET, process_group: Any = _UNSET,
+                  dry_run: bool = False, remove_incomplete_older_than_s: Optional[float] = None):
+        """Delete all but the newest `k` complete checkpoints under `directory` (see retention.py)."""
+        from .retention import apply_retention
+        self._check_open()
+        return apply_retention(self, directory, k, storage_options=storage_options, comm=self._comm(process_group),
+                         dry_run=dry_run, remove_incomplete_older_than_s=remove_incomplete_older_than_s)
+
+    def pending_paths(self) -> List[str]:
+        """Targets of this instance's async saves that are still running."""
+        return self._pending.paths()
+
+    # ------------------------------------------------------------------ lifetime
+    def wait(self) -> None:
+        """Wait for every pending save of this instance; re-raise the first failure."""
+        try:
+            self._pending.wait_all()
+        finally:
+            self._runner.join()
+
+    def close(self) -> None:
+        """Wait for pending saves, then free the staging pool, threads, caches and storages. A
+        closed Checkpointer refuses work."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            self.wait()
+        finally:
+            self._pending.close()
+            if self._pool is not None:
+                self._pool.free()
+            self._pool = None
+            self._plans.clear()
+            self._metadata.clear()
+            self._storages.clear()
+            self._hosts.clear()
+            self._context = None
+            if self._secrets is not None:
+                shutil.rmtree(self._secrets, ignore_errors=True)
+                self._secrets = None
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"{len(self._pending.paths())} pending"
+        return f"Checkpointer({self.options}, {state})"
+
+    # ------------------------------------------------------------------ resources
+    def storage(self, path, storage_options: Any = _UNSET) -> Storage:
+        """The storage of a checkpoint root (opened once, reused), with fault rules if any."""
+        url = os.fspath(path)
+        opts = self.storage_options if storage_options is _UNSET else storage_options
+        key = (url, _freeze(opts))
+        with self._lock:
+            store = self._storages.get(key)
+            if store is None:
+                store = open_storage(url, opts, StorageEnv(self._tensorstore_context, self._secrets_dir,
+                                                           self.options.local_io))
+                self._storages[key] = store
+                while len(self._storages) > _STORAGE_CACHE_SIZE:
+                    self._storages.popitem(last=False)
+            else:
+                self._storages.move_to_end(key)
+        return faults.FaultyStorage(store, self._faults) if self._faults else store
+
+    def _staging(self) -> StagingPool:
+        with self._lock:
+            if self._pool is None:
+                self._pool = StagingPool(self.options.staging_slots)
+            return self._pool
+
+    def _tensorstore_context(self):
+        import tensorstore as ts
+        with self._lock:
+            if self._context is None:
+                self._context = ts.Context(context_spec(self.options.io_concurrency, self.options.threads))
+            return self._context
+
+    def _secrets_dir(self, opts: Mapping[str, Any]) -> Optional[str]:
+        """Explicit S3 keys -> a private 0600 credentials file in a 0700 directory of this instance
+        (tensorstore has no inline static-key provider; see specs.aws_credentials_spec)."""
+        if not (opts.get("access_key_id") and opts.get("secret_access_key")):
+            return None
+        cred_name, conf_name, cred_text, conf_text = static_credentials_files(opts)
+        with self._lock:
+            if self._secrets is None or not os.path.isdir(self._secrets):
+                self._secrets = tempfile.mkdtemp(prefix="bytecheckpoint-aws-")
+            for name, text in ((cred_name, cred_text), (conf_name, conf_text)):
+                path = os.path.join(self._secrets, name)
+                if not os.path.exists(path):
+                    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                    with os.fdopen(fd, "w") as f:
+                        f.write(text)
+            return self._secrets
+
+    def _comm(self, process_group: Any) -> Comm:
+        return Comm(self.process_group if process_group is _UNSET else process_group)
+
+    def _read_metadata(self, store: Storage) -> Metadata:
+        """metadata.json of `store`, parsed once per version (a stat/conditional read otherwise)."""
+        cached = self._metadata.get(store.url)
+        version, raw, changed = store.get_versioned(METADATA_FILE, cached[0] if cached else None)
+        if cached is not None and not changed:
+            self._metadata.move_to_end(store.url)
+            return cached[1]
+        if raw is None:
+            self._metadata.pop(store.url, None)
+            raise loader.missing_metadata_error(store)
+        md = loader.parse_metadata(store, raw)
+        self._metadata[store.url] = (version, md)
+        while len(self._metadata) > _METADATA_CACHE_SIZE:
+            self._metadata.popitem(last=False)
+        return md
+
+    def _share(self, comm: Comm, store: Storage) -> bool:
+        """Zero-redundancy load, by policy: where shared reads pay (remote or shared storage,
+        several hosts, NCCL), not for ranks of one host re-reading a local page cache."""
+        mode = self.options.zero_redundancy
+        if not comm.enabled or comm.world_size == 1:
+            return False
+        if mode in (True, False):
+            return bool(mode)
+        if store.scheme != "file" or comm.backend == "nccl":
+            return True
+        if comm.key not in self._hosts:
+            self._hosts[comm.key] = comm.hosts()
+        return len(set(self._hosts[comm.key])) > 1
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointerClosedError("this Checkpointer was closed; create a new one (or use bcp.save/load)")
+
+
+def _prepare(state: Dict[str, Any]):
+    flat = flatten_for_save(state)
+    manifest, blob = saver.manifest_and_blob(flat)
+    return flat, manifest, blob
+
+
+def _freeze(opts: Any) -> Any:
+    if opts is None:
+        return None
+    if isinstance(opts, Mapping):
+        return tuple(sorted((str(k), repr(v)) for k, v in opts.items()))
+    return ("invalid", repr(opts))
+
+
+def _same_target(a: str, b: str) -> bool:
+    from .storage.specs import split_url
+    try:
+        return split_url(a) == split_url(b)
+    except CheckpointError:
+        return a == b
+
+
+# ---------------------------------------------------------------------- the default instance
+
+_DEFAULT: Optional[Checkpointer] = None
+_DEFAULT_LOCK = threading.Lock()
+
+
+def default_checkpointer() -> Checkpointer:
+    """The instance behind bcp.save/load/...: built from the environment on first use."""
+    global _DEFAULT
+    with _DEFAULT_LOCK:
+        if _DEFAULT is None or _DEFAULT.closed:
+            _DEFAULT = Checkpointer.from_env()
+        return _DEFAULT

@@ -1,0 +1,106 @@
+"""A Checkpointer's tunables, validated in one place. Environment variables only supply defaults,
+and only through `Options.from_env()` (used for the default instance and the adapters' own)."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields, replace
+from typing import Any, Mapping, Optional, Union
+
+from .errors import CheckpointError
+
+ZeroRedundancy = Union[str, bool]
+
+# Environment variable -> option, for from_env().
+ENV = {
+    "BCP_ASYNC_SAVE": "async_save",
+    "BCP_STAGING_SLOTS": "staging_slots",
+    "BCP_IO_THREADS": "io_threads",
+    "BCP_IO_CONCURRENCY": "io_concurrency",
+    "BCP_ZERO_REDUNDANCY": "zero_redundancy",
+    "BCP_TIMEOUT_S": "timeout_s",
+    "BCP_DEAD_PEER_S": "dead_peer_s",
+    "BCP_FILE_IO": "local_io",
+    # older names, kept working
+    "BCP_COLLECTIVE_TIMEOUT_S": "timeout_s",
+    "BCP_COPY_CONCURRENCY": "io_threads",
+    "BCP_ZERO_REDUNDANCY_LOAD": "zero_redundancy",
+}
+
+
+@dataclass(frozen=True)
+class Options:
+    async_save: bool = False
+    # Staging buffer sets for async save: 2 = ping-pong (a 3rd save waits for the 1st's write).
+    staging_slots: int = 2
+    # Worker threads per operation for checksums, encoding and file I/O (None: min(4, cores)).
+    io_threads: Optional[int] = None
+    # Storage requests in flight (tensorstore Context limits).
+    io_concurrency: int = 32
+    # Read bytes that several ranks need once and share them: "auto" (where it pays: remote or
+    # shared storage, several hosts, NCCL), True, False.
+    zero_redundancy: ZeroRedundancy = "auto"
+    # Longest wait for peers: arrival at a save/load, commit of an async save.
+    timeout_s: float = 600.0
+    # An async save gives up on a peer whose heartbeat stopped this long ago (a dead rank).
+    dead_peer_s: float = 30.0
+    # Local directories: "posix" (plain file I/O) or "tensorstore" (its file kvstore).
+    local_io: str = "posix"
+
+    def __post_init__(self) -> None:
+        def bad(name: str, want: str) -> CheckpointError:
+            return CheckpointError(f"Checkpointer: {name} must be {want}, got {getattr(self, name)!r}")
+        if not isinstance(self.staging_slots, int) or isinstance(self.staging_slots, bool) or self.staging_slots < 1:
+            raise bad("staging_slots", "an integer >= 1")
+        if self.io_threads is not None and (not isinstance(self.io_threads, int) or self.io_threads < 1):
+            raise bad("io_threads", "None or an integer >= 1")
+        if not isinstance(self.io_concurrency, int) or self.io_concurrency < 1:
+            raise bad("io_concurrency", "an integer >= 1")
+        if self.zero_redundancy not in ("auto", True, False):
+            raise bad("zero_redundancy", '"auto", True or False')
+        for name in ("timeout_s", "dead_peer_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise bad(name, "a positive number of seconds")
+        if self.local_io not in ("posix", "tensorstore"):
+            raise bad("local_io", '"posix" or "tensorstore"')
+
+    @property
+    def threads(self) -> int:
+        return self.io_threads or min(4, os.cpu_count() or 1)
+
+    @property
+    def peer_timeout_s(self) -> float:
+        """How long a silent peer is waited for: a dead one is noticed by its stopped heartbeat."""
+        return min(self.dead_peer_s, self.timeout_s)
+
+    def with_(self, **overrides: Any) -> "Options":
+        return replace(self, **{k: v for k, v in overrides.items() if v is not None})
+
+    @classmethod
+    def from_env(cls, env: Optional[Mapping[str, str]] = None, **overrides: Any) -> "Options":
+        env = os.environ if env is None else env
+        values: dict = {}
+        types = {f.name: f.type for f in fields(cls)}
+        for var, name in ENV.items():
+            raw = env.get(var)
+            if raw is None or raw == "" or name in values:
+                continue
+            values[name] = _parse(var, name, raw, types[name])
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+
+def _parse(var: str, name: str, raw: str, typ: str) -> Any:
+    text = raw.strip().lower()
+    try:
+        if name == "zero_redundancy":
+            return "auto" if text == "auto" else text not in ("0", "false", "no", "off")
+        if name == "async_save":
+            return text in ("1", "true", "yes", "on")
+        if name == "local_io":
+            return text
+        if "float" in typ:
+            return float(text)
+        return int(text)
+    except ValueError:
+        raise CheckpointError(f"environment variable {var}={raw!r} is not a valid {name}") from None

@@ -1,0 +1,82 @@
+"""Worker threads for one operation, and the background runner of async saves.
+
+crc32, tobytes, file I/O and tensor copies release the GIL, so chunks are encoded, checked and
+moved in parallel. Threads belong to one save or load and end with it: a Checkpointer that is
+idle holds no thread (frameworks check for leaked threads after teardown).
+"""
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+
+class Workers:
+    """A small pool for one operation; `map` keeps order. Use as a context manager."""
+
+    def __init__(self, threads: int, name: str = "bytecheckpoint-io"):
+        self._threads, self._name = max(1, threads), name
+        self._pool: Optional[ThreadPoolExecutor] = None
+
+    def map(self, fn: Callable[..., Any], items: Sequence) -> Iterator:
+        """fn(*item) for tuples, fn(item) otherwise; all submitted at once, results in order."""
+        call = (lambda a: fn(*a) if isinstance(a, tuple) else fn(a))
+        if len(items) <= 1 or self._threads == 1:
+            return map(call, items)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=self._threads, thread_name_prefix=self._name)
+        futures = [self._pool.submit(call, a) for a in items]
+        return (f.result() for f in futures)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    def __enter__(self) -> "Workers":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class BackgroundRunner:
+    """Runs async-save jobs one after another, each on its own thread, which ends with the job.
+
+    Jobs keep their submission order (a job's thread first waits for the previous job), so two
+    saves never commit out of order. `join()` returns when no job thread is left."""
+
+    def __init__(self, name: str = "bytecheckpoint-save"):
+        self._name = name
+        self._lock = threading.Lock()
+        self._last: Optional[threading.Thread] = None
+        self._threads: list = []
+
+    def submit(self, fn: Callable[[], Any]) -> Future:
+        future: Future = Future()
+        with self._lock:
+            previous = self._last
+
+            def run() -> None:
+                if previous is not None:
+                    previous.join()
+                if not future.set_running_or_notify_cancel():
+                    return
+                try:
+                    future.set_result(fn())
+                except BaseException as exc:  # noqa: BLE001 - delivered through the future
+                    future.set_exception(exc)
+
+            thread = threading.Thread(target=run, name=self._name, daemon=False)
+            self._last = thread
+            self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+            thread.start()
+        return future
+
+    def join(self, timeout: Optional[float] = None) -> None:
+        with self._lock:
+            threads = list(self._threads)
+        for t in threads:
+            t.join(timeout)
+        with self._lock:
+            self._threads = [t for t in self._threads if t.is_alive()]
