@@ -189,21 +189,31 @@ class Job:
         commit.write_metadata(self.store, self.full, self.save_id, self.data_dir, self.comm.world_size,
                               self.structure, self.overwrite, self.old_data, results)
 
-    def _write(self, workers: Workers, data: Sequence[torch.Tensor]) -> commit.RankResult:
+    def _write(self, workers: Workers, data: Sequence[torch.Tensor]) -> Tuple[commit.RankResult, Optional[Exception]]:
         try:
             return (write_local(self.store, workers, self.data_dir, self.local, data, self.objects_blob,
-                                self.comm.rank), None)
+                                self.comm.rank), None), None
         except Exception as exc:  # noqa: BLE001 - reported to the coordinator, raised on every rank
-            return (None, f"{type(exc).__name__}: {exc}")
+            return (None, f"{type(exc).__name__}: {exc}"), exc
 
     def run_sync(self, workers: Workers, data: Sequence[torch.Tensor]) -> None:
         """On the caller's thread: write, then commit through a gather + broadcast."""
-        commit.collect_by_collective(self.comm, self._write(workers, data), self._decide)
+        result, error = self._write(workers, data)
+        if self.comm.world_size == 1 and error is not None:
+            raise error
+        commit.collect_by_collective(self.comm, result, self._decide)
 
     def run_background(self, workers: Workers, data: Sequence[torch.Tensor], board: commit.MarkerBoard) -> None:
         """On a background thread: write, then commit through marker objects (no collectives:
-        training may tear its process group down while this runs)."""
-        board.publish(self._write(workers, data))
+        training may tear its process group down while this runs). A save of one rank commits
+        directly: nobody needs its markers."""
+        result, error = self._write(workers, data)
+        if self.comm.world_size == 1:
+            if error is not None:
+                raise error
+            self._decide([result])
+            return
+        board.publish(result)
         if not self.comm.is_coordinator:
             board.outcome()
             return

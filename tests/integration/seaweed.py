@@ -144,6 +144,13 @@ class SeaweedS3:
         if self._own_root:
             shutil.rmtree(self.root, ignore_errors=True)
 
+    def pause(self) -> None:
+        """SIGSTOP the server: connections stay open, nothing answers (a hung object store)."""
+        os.killpg(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGCONT)
+
     def __enter__(self) -> "SeaweedS3":
         return self.start()
 

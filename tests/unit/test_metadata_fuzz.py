@@ -378,7 +378,7 @@ def test_load_full_refuses_huge_shapes_without_allocating(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_verify_bounds_chunk_count(tmp_path):
-    rc, result = _one_case(tmp_path, "huge-tiny-chunks", "verify", timeout=6)
+    rc, result = _one_case(tmp_path, "huge-tiny-chunks", "verify", timeout=30)
     assert result == "ok"  # returns a report (with problems) promptly
 
 
