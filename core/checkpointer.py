@@ -22,7 +22,7 @@ from collections import OrderedDict
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from . import inspect as inspection
-from . import loader, saver
+from . import loader, saver, zero_redundancy
 from .comm import Comm
 from .errors import CheckpointError, CheckpointerClosedError
 from .flatten import flatten_for_save
@@ -101,8 +101,8 @@ class Checkpointer:
         store = self.storage(path, storage_options)
         comm.arrive(self.options.timeout_s, f"save to {store.url!r}")
         flat, manifest, blob = comm.run(lambda: _prepare(state), "preparing the state for save")
-        local, full, save_id, old_data = saver.plan(comm, store, manifest, overwrite, self._plans,
-                                                   self._read_metadata)
+        local, full, save_id, old_data = saver.plan(
+            comm, manifest, self._plans, lambda: saver.begin(store, overwrite, self._read_metadata))
         data = saver.sources(flat, local.writes)
         job = saver.Job(comm, store, local, full, save_id, old_data, flat.structure, overwrite, blob)
         handle = SaveHandle(str(path), pending=self._pending)
@@ -145,9 +145,9 @@ class Checkpointer:
         comm.arrive(self.options.timeout_s, f"load of {store.url!r}")
         md = comm.run_on_coordinator(lambda: self._read_metadata(store), "reading checkpoint metadata")
         stats = loader.LoadStats()
-        share = self._share(comm, store)
+        shared = zero_redundancy.plan_shared if self._share(comm, store) else zero_redundancy.no_sharing
         with Workers(self.options.threads) as workers:
-            loader.load(comm, store, workers, md, state, strict=strict, allow_pickle=allow_pickle, share=share,
+            loader.load(comm, store, workers, md, state, strict=strict, allow_pickle=allow_pickle, shared=shared,
                         stats=stats)
         self.last_load_stats = stats
         return state

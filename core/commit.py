@@ -29,10 +29,22 @@ RankResult = Tuple[Optional[Tuple[ObjectFileMeta, Dict[str, Dict[str, int]]]], O
 def write_metadata(store: Storage, full: SavePlan, save_id: str, data_dir: str, world_size: int, structure: Any,
                    overwrite: bool, old_data: Optional[str], results: List[RankResult]) -> None:
     """Coordinator: commit if every rank succeeded, else raise naming the failed ranks."""
+    md = build_metadata(store.url, full, save_id, data_dir, world_size, structure, results)
+    if not store.put(METADATA_FILE, md.to_json(), if_absent=not overwrite, durable=True):
+        store.delete_prefix(data_dir + "/")  # the losing job leaves nothing behind
+        raise CheckpointExistsError(f"another job committed a checkpoint to {store.url!r} while this save was "
+                                    f"running; this save was discarded and theirs is intact")
+    if old_data and old_data != data_dir:
+        store.delete_prefix(old_data + "/")
+
+
+def build_metadata(url: str, full: SavePlan, save_id: str, data_dir: str, world_size: int, structure: Any,
+                   results: List[RankResult]) -> Metadata:
+    """The global metadata of a save whose every rank succeeded; else raise naming the failed ranks."""
     failed = [(r, err) for r, (_, err) in enumerate(results) if err is not None]
     if failed:
         detail = "; ".join(f"rank {r}: {e}" for r, e in failed[:8])
-        raise CheckpointError(f"save to {store.url!r} failed on {len(failed)} rank(s), nothing was committed "
+        raise CheckpointError(f"save to {url!r} failed on {len(failed)} rank(s), nothing was committed "
                               f"(a previous checkpoint there is intact): {detail}")
     checksums: Dict[str, Dict[str, int]] = {}
     for res, _ in results:
@@ -50,12 +62,7 @@ def write_metadata(store: Storage, full: SavePlan, save_id: str, data_dir: str, 
         info={"data_dir": data_dir, "created_unix": time.time(), "torch": torch.__version__,
               "bytes_per_rank": list(full.bytes_per_rank)},
     )
-    if not store.put(METADATA_FILE, md.to_json(), if_absent=not overwrite, durable=True):
-        store.delete_prefix(data_dir + "/")  # the losing job leaves nothing behind
-        raise CheckpointExistsError(f"another job committed a checkpoint to {store.url!r} while this save was "
-                                    f"running; this save was discarded and theirs is intact")
-    if old_data and old_data != data_dir:
-        store.delete_prefix(old_data + "/")
+    return md
 
 
 def rooted(a: ArrayMeta, data_dir: str, checksums: Optional[Dict[str, int]] = None) -> ArrayMeta:

@@ -196,9 +196,10 @@ def _list(keys: List[str], n: int = 20) -> str:
 
 
 def load(comm: Comm, store: Storage, workers: Workers, md: Metadata, state: Dict[str, Any], *, strict: bool,
-         allow_pickle: bool, share: bool, stats: LoadStats) -> Dict[str, Any]:
+         allow_pickle: bool, shared, stats: LoadStats) -> Dict[str, Any]:
     """Load `md`'s checkpoint into `state` in place (collective over comm); returns `state`.
-    `share`: read chunks that several ranks need once and broadcast them (zero-redundancy)."""
+    `shared(comm, md, needs)` plans which chunks one rank reads for others and broadcasts
+    (zero-redundancy; or `zero_redundancy.no_sharing`): every other chunk is read locally."""
 
     def prepare():
         flat = flatten_for_load(state, md.structure)
@@ -217,8 +218,7 @@ def load(comm: Comm, store: Storage, workers: Workers, md: Metadata, state: Dict
         return target_view(flat.tensors[r.key].pieces[r.piece].tensor, r.target_box)
 
     needs = chunk_needs(md, reads, [dest_of(r) for r in reads])
-    shared = zero_redundancy.plan_shared(comm, md, zero_redundancy.whole_chunks(md, needs)) if share else \
-        zero_redundancy.SharedPlan()
+    shared = shared(comm, md, needs)
 
     def read_local():  # this rank's share of the shared chunks, then the chunks only it needs
         zero_redundancy.read_assigned(comm, store, md, shared, stats)

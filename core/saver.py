@@ -80,8 +80,12 @@ def _local_part(plan: SavePlan, rank: int) -> LocalPlan:
     return LocalPlan(plan.writes[rank], plan.creates[rank], {a: plan.arrays[a] for a in touched})
 
 
-def _begin(store: Storage, overwrite: bool, read_metadata: Callable[[Storage], Metadata]
-           ) -> Tuple[str, Optional[str]]:
+def new_save_id() -> str:
+    return time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:8]
+
+
+def begin(store: Storage, overwrite: bool, read_metadata: Callable[[Storage], Metadata]
+          ) -> Tuple[str, Optional[str]]:
     """Coordinator: refuse to clobber a checkpoint; pick this save's id; name the data directory
     of the checkpoint this one replaces (deleted after the commit)."""
     try:
@@ -97,19 +101,19 @@ def _begin(store: Storage, overwrite: bool, read_metadata: Callable[[Storage], M
         raise CheckpointExistsError(
             f"{store.url!r} already holds a checkpoint; pass overwrite=True to replace it or save to a new "
             f"path (the existing checkpoint was left untouched)")
-    save_id = time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:8]
-    return save_id, old_data
+    return new_save_id(), old_data
 
 
-def plan(comm: Comm, store: Storage, manifest: RankManifest, overwrite: bool, cache: PlanCache,
-         read_metadata: Callable[[Storage], Metadata]) -> Tuple[LocalPlan, Optional[SavePlan], str, Optional[str]]:
-    """Collective: this rank's part of the save plan (the whole plan on the coordinator), the
-    save id and the data directory of the checkpoint it replaces (if any)."""
+def plan(comm: Comm, manifest: RankManifest, cache: PlanCache, begin: Callable[[], Tuple[str, Optional[str]]]
+         ) -> Tuple[LocalPlan, Optional[SavePlan], str, Optional[str]]:
+    """Collective: this rank's part of the save plan (the whole plan on the coordinator), and what
+    `begin()` returns on the coordinator: the save id and the data directory of the checkpoint it
+    replaces (if any)."""
     fingerprint = hashlib.sha1(pickle.dumps((comm.world_size, manifest))).hexdigest()
     cache_key = comm.key
     cached = cache.get(cache_key)
     if comm.all_true(cached is not None and cached.fingerprint == fingerprint):
-        save_id, old = comm.run_on_coordinator(lambda: _begin(store, overwrite, read_metadata), "checking the save path")
+        save_id, old = comm.run_on_coordinator(begin, "checking the save path")
         return cached.local, cached.full, save_id, old
 
     gathered = comm.gather(manifest)
@@ -118,7 +122,7 @@ def plan(comm: Comm, store: Storage, manifest: RankManifest, overwrite: bool, ca
     if comm.is_coordinator:
         try:
             full = plan_save(gathered)
-            save_id, old = _begin(store, overwrite, read_metadata)
+            save_id, old = begin()
             payloads = [(True, (_local_part(full, r), save_id, old)) for r in range(comm.world_size)]
         except Exception as exc:  # noqa: BLE001 - shipped to every rank
             payloads = [(False, exc)] * comm.world_size
@@ -177,9 +181,11 @@ class Job:
     overwrite: bool
     objects_blob: bytes
 
+    data_prefix: str = DATA_PREFIX
+
     @property
     def data_dir(self) -> str:
-        return DATA_PREFIX + self.save_id
+        return self.data_prefix + self.save_id
 
     def board(self, timeout_s: float, dead_peer_s: float) -> commit.MarkerBoard:
         return commit.MarkerBoard(self.store, self.data_dir, self.comm.world_size, self.comm.rank, timeout_s,

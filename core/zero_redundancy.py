@@ -60,12 +60,17 @@ def whole_chunks(md: Metadata, needs: Dict[ChunkRef, Any]) -> List[ChunkRef]:
     return out
 
 
-def plan_shared(comm: Comm, md: Metadata, refs: Sequence[ChunkRef]) -> SharedPlan:
+def no_sharing(comm: Comm, md: Metadata, needs: Dict[ChunkRef, Any]) -> SharedPlan:
+    """Every rank reads every chunk it needs itself."""
+    return SharedPlan()
+
+
+def plan_shared(comm: Comm, md: Metadata, needs: Dict[ChunkRef, Any]) -> SharedPlan:
     """Collective: agree on who reads each chunk that 2+ ranks need whole (see whole_chunks)."""
     plan = SharedPlan()
     if not comm.enabled or comm.world_size == 1:
         return plan
-    requests = comm.all_gather(list(refs))
+    requests = comm.all_gather(whole_chunks(md, needs))
     plan.sizes = {q: chunks.chunk_nbytes(md.arrays[q[0]], dtype_itemsize(md.arrays[q[0]].dtype))
                   for qs in requests for q in qs}
     by_reader: Dict[int, List[ChunkRef]] = defaultdict(list)
