@@ -14,6 +14,7 @@ from .shards import FlatShard, Shard
 from .comm import LOCAL
 from .handles import SaveHandle
 from .checkpointer import Checkpointer, default_checkpointer
+from .local_tier import LocalTier, Restored
 from .api import delete, inspect, is_checkpoint, keep_last, load, load_full, save, verify, wait_pending
 from .flatten import REGISTRY, Handler
 from .inspect import CheckpointInfo, TensorInfo, VerifyReport
@@ -25,7 +26,7 @@ __version__ = "0.2.0"
 
 __all__ = [
     "save", "load", "load_full", "keep_last", "RetentionReport", "inspect", "verify", "is_checkpoint", "delete",
-    "wait_pending", "Checkpointer", "default_checkpointer", "LOCAL", "REGISTRY", "Handler",
+    "wait_pending", "Checkpointer", "default_checkpointer", "LOCAL", "LocalTier", "Restored", "REGISTRY", "Handler",
     "Shard", "FlatShard", "SaveHandle", "CheckpointInfo", "TensorInfo", "VerifyReport", "LoadStats",
     "last_load_stats", "FORMAT_VERSION",
     "CheckpointError", "CheckpointerClosedError", "CheckpointExistsError", "CheckpointNotFoundError",

@@ -13,6 +13,7 @@ a default instance built from the environment (see options.py).
 """
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
@@ -23,10 +24,12 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from . import inspect as inspection
 from . import loader, saver, zero_redundancy
+from . import local_tier as local_tier_mod
 from .comm import Comm
 from .errors import CheckpointError, CheckpointerClosedError
 from .flatten import flatten_for_save
 from .handles import PendingSaves, SaveHandle
+from .local_tier import LocalTier, Restored
 from .metadata import METADATA_FILE, Metadata
 from .options import Options
 from .staging import StagingPool
@@ -34,6 +37,7 @@ from .storage import Storage, StorageEnv, faults, open_storage
 from .storage.specs import context_spec, static_credentials_files
 from .workers import BackgroundRunner, Workers
 
+log = logging.getLogger("bytecheckpoint")
 _UNSET: Any = object()  # "the instance's own setting" for per-call overrides
 _METADATA_CACHE_SIZE = 8
 _STORAGE_CACHE_SIZE = 64
@@ -58,8 +62,8 @@ class Checkpointer:
     def __init__(self, *, storage_options: Optional[Mapping[str, Any]] = None, async_save: bool = False,
                  process_group: Any = None, staging_slots: int = 2, io_threads: Optional[int] = None,
                  zero_redundancy: Any = "auto", timeout_s: float = 600, dead_peer_s: float = 30,
-                 io_concurrency: int = 32, local_io: str = "posix", _options: Optional[Options] = None,
-                 _faults: Sequence[faults.Fault] = ()):
+                 io_concurrency: int = 32, local_io: str = "posix", local_tier: Optional[LocalTier] = None,
+                 _options: Optional[Options] = None, _faults: Sequence[faults.Fault] = ()):
         self.options = _options or Options(async_save=bool(async_save), staging_slots=staging_slots,
                                            io_threads=io_threads, io_concurrency=io_concurrency,
                                            zero_redundancy=zero_redundancy, timeout_s=timeout_s,
@@ -68,6 +72,9 @@ class Checkpointer:
             raise CheckpointError(f"Checkpointer: storage_options must be a dict, got {type(storage_options).__name__}")
         self.storage_options = dict(storage_options) if storage_options else None
         self.process_group = process_group
+        if local_tier is not None and not isinstance(local_tier, LocalTier):
+            raise CheckpointError(f"Checkpointer: local_tier must be a bytecheckpoint.LocalTier, got {local_tier!r}")
+        self._tier = local_tier_mod.TierState(local_tier, self.options.timeout_s) if local_tier else None
         self.last_load_stats = loader.LoadStats()
         self._faults = faults.Rules(_faults)
         self._pending = PendingSaves()
@@ -84,31 +91,46 @@ class Checkpointer:
 
     @classmethod
     def from_env(cls, env: Optional[Mapping[str, str]] = None, *, storage_options: Optional[Mapping[str, Any]] = None,
-                 process_group: Any = None, **overrides: Any) -> "Checkpointer":
+                 process_group: Any = None, local_tier: Optional[LocalTier] = None, **overrides: Any) -> "Checkpointer":
         """Options from BCP_* environment variables, then `overrides`; fault rules from BCP_FAULTS."""
-        return cls(storage_options=storage_options, process_group=process_group,
+        return cls(storage_options=storage_options, process_group=process_group, local_tier=local_tier,
                    _options=Options.from_env(env, **overrides), _faults=faults.rules_from_env(env))
 
     # ------------------------------------------------------------------ save / load
     def save(self, path, state: Dict[str, Any], *, overwrite: bool = False, async_save: Optional[bool] = None,
-             process_group: Any = _UNSET, storage_options: Any = _UNSET) -> SaveHandle:
-        """Save `state` to `path` from every rank of the process group (collective); see README."""
+             process_group: Any = _UNSET, storage_options: Any = _UNSET, tier: str = "persistent") -> SaveHandle:
+        """Save `state` to `path` from every rank of the process group (collective); see README.
+        tier="local": `path` is a name (e.g. "step_1200") in the local tier (see LocalTier)."""
         self._check_open()
         t0 = time.perf_counter()
         self._pending.raise_finished_failures()
         background = self.options.async_save if async_save is None else bool(async_save)
         comm = self._comm(process_group)
-        store = self.storage(path, storage_options)
-        comm.arrive(self.options.timeout_s, f"save to {store.url!r}")
+        if tier == "local":
+            tier_state, name = self._local_tier(), local_tier_mod.check_name(path)
+            comm.arrive(self.options.timeout_s, f"local save {name!r}")
+            group = tier_state.group(comm)  # collective on first use, so in the foreground
+            tier_state.nodes(comm)
+            begin = lambda: (saver.new_save_id(), None)  # noqa: E731
+        elif tier == "persistent":
+            store = self.storage(path, storage_options)
+            comm.arrive(self.options.timeout_s, f"save to {store.url!r}")
+            begin = lambda: saver.begin(store, overwrite, self._read_metadata)  # noqa: E731
+        else:
+            raise CheckpointError(f"save: tier must be 'persistent' or 'local', got {tier!r}")
         flat, manifest, blob = comm.run(lambda: _prepare(state), "preparing the state for save")
-        local, full, save_id, old_data = saver.plan(
-            comm, manifest, self._plans, lambda: saver.begin(store, overwrite, self._read_metadata))
+        local, full, save_id, old_data = saver.plan(comm, manifest, self._plans, begin)
         data = saver.sources(flat, local.writes)
-        job = saver.Job(comm, store, local, full, save_id, old_data, flat.structure, overwrite, blob)
         handle = SaveHandle(str(path), pending=self._pending)
+        if tier == "local":
+            job = local_tier_mod.LocalJob(tier_state, comm, group, name, local, full, save_id, flat.structure, blob)
+            run_sync, start_background = job.run, lambda: (job.run, None)
+        else:
+            job = saver.Job(comm, store, local, full, save_id, old_data, flat.structure, overwrite, blob)
+            run_sync, start_background = job.run_sync, lambda: self._persistent_background(job)
         if not background:
             with Workers(self.options.threads) as workers:
-                job.run_sync(workers, data)
+                run_sync(workers, data)
             handle.stats["total_s"] = time.perf_counter() - t0
             return handle
 
@@ -116,8 +138,7 @@ class Checkpointer:
         slot = pool.acquire()
         try:
             staged = pool.stage(slot, [((w.key, w.offsets, w.lengths, t.dtype), t) for w, t in zip(local.writes, data)])
-            board = job.board(self.options.timeout_s, self.options.dead_peer_s)
-            beat = board.heartbeat().start()  # from now on peers can tell this rank is alive
+            write, beat = start_background()
         except BaseException:
             pool.release(slot)
             raise
@@ -125,9 +146,10 @@ class Checkpointer:
         def run() -> None:
             try:
                 with Workers(self.options.threads) as workers:
-                    job.run_background(workers, staged, board)
+                    write(workers, staged)
             finally:
-                beat.stop()
+                if beat is not None:
+                    beat.stop()
                 pool.release(slot)
 
         handle._future = self._runner.submit(run)
@@ -136,11 +158,26 @@ class Checkpointer:
         self._pending.add(handle)
         return handle
 
+    def _persistent_background(self, job: "saver.Job"):
+        """The background write of a persistent save, and its heartbeat (peers can tell from now
+        on that this rank is alive)."""
+        board = job.board(self.options.timeout_s, self.options.dead_peer_s)
+        beat = board.heartbeat().start()
+        return (lambda workers, data: job.run_background(workers, data, board)), beat
+
     def load(self, path, state: Dict[str, Any], *, strict: bool = True, allow_pickle: bool = False,
-             process_group: Any = _UNSET, storage_options: Any = _UNSET) -> Dict[str, Any]:
-        """Load a checkpoint into `state` in place (collective); returns `state`."""
+             process_group: Any = _UNSET, storage_options: Any = _UNSET, tier: str = "persistent") -> Dict[str, Any]:
+        """Load a checkpoint into `state` in place (collective); returns `state`. tier="local":
+        the local checkpoint named `path`, from the parts the current ranks hold."""
         self._check_open()
         comm = self._comm(process_group)
+        if tier == "local":
+            restored = self._restore_local(comm, state, strict, allow_pickle, only=local_tier_mod.check_name(path))
+            if restored.source is None:
+                raise CheckpointError(f"local checkpoint {path!r}: {restored.reason}")
+            return state
+        if tier != "persistent":
+            raise CheckpointError(f"load: tier must be 'persistent' or 'local', got {tier!r}")
         store = self.storage(path, storage_options)
         comm.arrive(self.options.timeout_s, f"load of {store.url!r}")
         md = comm.run_on_coordinator(lambda: self._read_metadata(store), "reading checkpoint metadata")
@@ -161,6 +198,79 @@ class Checkpointer:
         md = comm.run_on_coordinator(lambda: self._read_metadata(store), "reading checkpoint metadata")
         with Workers(self.options.threads) as workers:
             return loader.load_full(comm, store, workers, md, keys=keys, allow_pickle=allow_pickle)
+
+    # ------------------------------------------------------------------ resuming after a failure
+    def restore(self, state: Dict[str, Any], *, persistent=None, strict: bool = True, allow_pickle: bool = False,
+                process_group: Any = _UNSET, storage_options: Any = _UNSET) -> Restored:
+        """Load the newest checkpoint these ranks can restore (collective): the newest local one
+        whose every part some current rank holds (own or replica; resharded to this world, no
+        read of persistent storage), unless the newest complete checkpoint under (or at)
+        `persistent` is newer. Returns what was loaded; source None when there was nothing."""
+        self._check_open()
+        comm = self._comm(process_group)
+        comm.arrive(self.options.timeout_s, "restore")
+        local = self._local_choice(comm) if self._tier is not None else None
+        newest = None
+        if persistent is not None:
+            from .retention import newest_complete
+            newest = comm.run_on_coordinator(
+                lambda: newest_complete(self, os.fspath(persistent), storage_options), "finding the newest checkpoint")
+        if local is not None and local[0] is not None and (newest is None or local[2] >= newest[0]):
+            return self._restore_local(comm, state, strict, allow_pickle, choice=local)
+        why = "no local tier" if local is None else local[3]
+        if newest is None:
+            return Restored(None, None, reason=f"{why}; no complete checkpoint under {persistent!r}")
+        if local is not None and local[0] is not None:
+            why = f"the persistent checkpoint {newest[1]!r} is newer than local {local[0]!r}"
+        log.warning("bytecheckpoint: restoring from the persistent checkpoint %s (%s)", newest[1], why)
+        self.load(newest[1], state, strict=strict, allow_pickle=allow_pickle, process_group=process_group,
+                  storage_options=storage_options)
+        return Restored("persistent", newest[1], reason=why)
+
+    def _local_choice(self, comm: Comm, only: Optional[str] = None):
+        """Collective: (name, save_id, created, why-not, candidates of every rank) of the newest
+        local checkpoint the current ranks hold completely (name None when there is none)."""
+        tier = self._local_tier()
+        nodes = tier.nodes(comm)
+        mine = local_tier_mod.held_here(tier.tier, nodes[comm.rank])
+        if only is not None:
+            mine = [m for m in mine if m[0] == only]
+        candidates = comm.all_gather(mine)
+        choice = local_tier_mod.choose(candidates)
+        if choice is None:
+            seen = {(c[0], c[1]): (c[3], set()) for per in candidates for c in per}
+            for per in candidates:
+                for c in per:
+                    seen[(c[0], c[1])][1].update(c[4])
+            detail = "; ".join(f"{n}: parts {sorted(p)} of {w}" for (n, _), (w, p) in sorted(seen.items())[-3:])
+            why = (f"no local checkpoint is held completely by these {comm.world_size} ranks"
+                   + (f" ({detail})" if detail else " (none found)"))
+            return None, None, 0.0, why, candidates
+        created = max(c[2] for per in candidates for c in per if (c[0], c[1]) == choice)
+        return choice[0], choice[1], created, "", candidates
+
+    def _restore_local(self, comm: Comm, state: Dict[str, Any], strict: bool, allow_pickle: bool,
+                       only: Optional[str] = None, choice=None) -> Restored:
+        name, save_id, _, why, candidates = choice if choice is not None else self._local_choice(comm, only)
+        if name is None:
+            return Restored(None, None, reason=why)
+        tier = self._local_tier()
+        held = [sorted({p for c in per if (c[0], c[1]) == (name, save_id) for p in c[4]}) for per in candidates]
+        source = next(r for r, parts in enumerate(held) if parts)
+        store = tier.storage(comm, name)
+        md = comm.broadcast(local_tier_mod.read_local_metadata(store) if comm.rank == source else None, src=source)
+        stats = loader.LoadStats()
+        with Workers(self.options.threads) as workers:
+            loader.load(comm, store, workers, md, state, strict=strict, allow_pickle=allow_pickle,
+                        shared=local_tier_mod.holder_planner(held), stats=stats)
+        self.last_load_stats = stats
+        return Restored("local", name, save_id)
+
+    def _local_tier(self) -> "local_tier_mod.TierState":
+        if self._tier is None:
+            raise CheckpointError("this Checkpointer has no local tier; pass Checkpointer(local_tier="
+                                  "bcp.LocalTier(dir=...))")
+        return self._tier
 
     # ------------------------------------------------------------------ looking at checkpoints
     def metadata(self, path, *, storage_options: Any = _UNSET) -> Metadata:
@@ -234,6 +344,8 @@ class Checkpointer:
             self._metadata.clear()
             self._storages.clear()
             self._hosts.clear()
+            if self._tier is not None:
+                self._tier.close()
             self._context = None
             if self._secrets is not None:
                 shutil.rmtree(self._secrets, ignore_errors=True)

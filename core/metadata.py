@@ -243,7 +243,7 @@ def _parse(body: Any, where: str) -> Metadata:
     info = body.get("info", {})
     _expect(isinstance(info, dict), where, "info is not an object")
     if "data_dir" in info:
-        _expect(isinstance(info["data_dir"], str) and re.fullmatch(r"data-[A-Za-z0-9_-]{1,64}", info["data_dir"])
+        _expect(isinstance(info["data_dir"], str) and re.fullmatch(r"(data|part)-[A-Za-z0-9_-]{1,64}", info["data_dir"])
                 is not None, where, "bad data_dir")
     _check_structure(body.get("structure"), tensors, where)
     return Metadata(version, save_id, world, tensors, arrays, tuple(objects), body.get("structure"), info)

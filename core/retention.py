@@ -131,3 +131,22 @@ def _newest_mtime(path: str) -> float:
             except OSError:
                 pass
     return newest or os.path.getmtime(split_url(path)[2])
+
+
+def newest_complete(ckpt, path: str, storage_options) -> Optional[Tuple[float, str]]:
+    """(save time, path) of `path` itself if it is a complete checkpoint, else of the newest
+    complete checkpoint directly under it; None when there is none."""
+    if ckpt.is_checkpoint(path, storage_options=storage_options):
+        return float(ckpt.metadata(path, storage_options=storage_options).info.get("created_unix", 0.0)), path
+    best: Optional[Tuple[float, str]] = None
+    for name, has_metadata in _children(ckpt, path, storage_options):
+        if not has_metadata:
+            continue
+        child = _join(path, name)
+        try:
+            created = float(ckpt.metadata(child, storage_options=storage_options).info.get("created_unix", 0.0))
+        except CheckpointError:
+            continue
+        if best is None or created > best[0]:
+            best = (created, child)
+    return best

@@ -1,0 +1,96 @@
+"""The local tier as a failure: 4 gloo ranks simulate 2 nodes x 2 ranks, each node with its own
+local directory; a local checkpoint every step, replicas=1. Node 1's processes are killed (-9)
+and its local directory deleted at a random step; node 0's 2 ranks restart and resume from the
+newest step they hold completely, bit-exact, without reading a byte of persistent tensor data.
+With replicas=0 the survivors cannot hold every part: they fall back to the persistent tier and
+say so."""
+import json
+import os
+import random
+import shutil
+import time
+
+import pytest
+
+import bytecheckpoint as bcp
+from harness import Job, run
+
+SEED = int(os.environ.get("BCP_LOCAL_TIER_SEED", str(int(time.time()) % 10000)))
+STEPS = 8
+
+
+def _wait_step(job: Job, run_dir: str, step: int, world: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all(os.path.exists(os.path.join(run_dir, "markers", f"step_{step}.{r}")) for r in range(world)):
+            return
+        if any(p.poll() not in (None, 0) for p in job.procs):
+            raise AssertionError(f"a rank failed before step {step}:\n{job.describe()}")
+        time.sleep(0.02)
+    raise AssertionError(f"step {step} not reached in {timeout}s:\n{job.describe()}")
+
+
+def _newest_committed(node_dir: str):
+    root = os.path.join(node_dir, "bcp-local", "default")
+    best = None
+    for name in os.listdir(root) if os.path.isdir(root) else []:
+        meta = os.path.join(root, name, "local-metadata.json")
+        if os.path.isfile(meta):
+            with open(meta) as f:
+                created = json.load(f)["info"]["created_unix"]
+            best = max(best or (0, ""), (created, name))
+    return best[1] if best else None
+
+
+def _lose_node_1(tmp_path, replicas: int):
+    rng = random.Random(SEED + replicas)
+    kill_at = rng.randint(3, STEPS - 2)
+    run_dir = str(tmp_path / "run")
+    job = Job("local_tier_scenarios:train", 4, {"run": run_dir, "steps": STEPS, "replicas": replicas,
+                                                 "persist_every": 3})
+    try:
+        _wait_step(job, run_dir, kill_at, 4, timeout=150)
+        job.kill([2, 3])
+        shutil.rmtree(os.path.join(run_dir, "local", "node1"))   # node 1's disk is gone too
+    finally:
+        job.finish(60)   # node 0's ranks fail on their next collective with the dead peers
+    return run_dir, kill_at
+
+
+def _restored(outs):
+    lines = [json.loads(o.split("RESTORED ", 1)[1].splitlines()[0]) for o in outs]
+    assert all(line == {**lines[0], "seconds": line["seconds"]} for line in lines), lines
+    return lines[0]
+
+
+@pytest.mark.timeout(400)
+def test_lost_node_resumes_from_local_replicas_on_fewer_ranks(tmp_path):
+    run_dir, kill_at = _lose_node_1(tmp_path, replicas=1)
+    expected = _newest_committed(os.path.join(run_dir, "local", "node0"))
+    assert expected is not None, f"no local checkpoint committed by step {kill_at} (seed {SEED})"
+    # no persistent tensor byte may be read: every chunk read of the persistent tier fails
+    faults = {"BCP_FAULTS": json.dumps([{"op": "read", "kind": "error", "key": "/c/"}])}
+    outs = run("local_tier_scenarios:resume", 2, {"run": run_dir, "replicas": 1}, timeout=150, env=faults)
+    got = _restored(outs)
+    assert got["source"] == "local" and got["name"] == expected, (got, expected, SEED)
+    assert int(expected.split("_")[1]) >= kill_at - 1, (expected, kill_at)
+    assert all("TRAINED ON" in o for o in outs)
+
+
+@pytest.mark.timeout(400)
+def test_without_replicas_the_survivors_fall_back_to_the_persistent_tier(tmp_path):
+    run_dir, kill_at = _lose_node_1(tmp_path, replicas=0)
+    outs = run("local_tier_scenarios:resume", 2, {"run": run_dir, "replicas": 0}, timeout=150)
+    got = _restored(outs)
+    newest = bcp.default_checkpointer()
+    persistent = os.path.join(run_dir, "persistent")
+    want = max((newest.metadata(os.path.join(persistent, n)).info["created_unix"], n)
+               for n in os.listdir(persistent) if bcp.is_checkpoint(os.path.join(persistent, n)))[1]
+    assert got["source"] == "persistent" and got["name"].endswith(want), (got, want, SEED)
+    assert "no local checkpoint is held completely by these 2 ranks" in got["reason"], got
+
+
+@pytest.mark.timeout(200)
+def test_restore_moves_parts_between_ranks_that_hold_them(tmp_path):
+    outs = run("local_tier_scenarios:save_then_restore_swapped", 2, {"run": str(tmp_path / "run")}, timeout=150)
+    assert all("SWAPPED OK" in o for o in outs)
