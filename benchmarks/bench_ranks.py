@@ -122,14 +122,44 @@ def check_equal(a, b):
         assert torch.equal(x, y), k
 
 
-def time_loads(state, root: str, rep: int, results: Dict[str, List[float]]) -> None:
-    """Load repetition `rep`'s bcp and dcp checkpoints into zeroed copies of `state`, timed and checked."""
+def time_loads(state, bcp_path: str, dcp_path: str, results: Dict[str, List[float]], ckpt=None) -> None:
+    """Load the bcp and dcp checkpoints into zeroed copies of `state`, timed and checked."""
+    ckpt = ckpt or bcp
     tgt = zeros_like_state(state)
-    results["bcp_load"].append(timed(lambda: bcp.load(f"{root}/bcp_{rep}", tgt)))
+    results["bcp_load"].append(timed(lambda: ckpt.load(bcp_path, tgt)))
     check_equal(state, tgt)
     tgt = zeros_like_state(state)
-    results["dcp_load"].append(timed(lambda: dcp.load(tgt, checkpoint_id=f"{root}/dcp_{rep}")))
+    results["dcp_load"].append(timed(lambda: dcp.load(tgt, checkpoint_id=dcp_path)))
     check_equal(state, tgt)
+
+
+class StallParts:
+    """Times the steps of an async save on the training thread (bench-only instrumentation)."""
+
+    def __init__(self):
+        from bytecheckpoint import checkpointer, commit, saver, staging
+        from bytecheckpoint.comm import Comm
+        self.parts: Dict[str, float] = {}
+        self.on = False
+        for label, owner, name in (("arrival check (monitored barrier)", Comm, "arrive"),
+                                   ("flatten + manifest", checkpointer, "_prepare"),
+                                   ("plan check (cached: all-reduce + broadcast)", saver, "plan"),
+                                   ("copy into the staging slot", staging.StagingPool, "stage"),
+                                   ("heartbeat start", commit.Heartbeat, "start")):
+            self._wrap(label, owner, name)
+
+    def _wrap(self, label, owner, name):
+        orig = getattr(owner, name)
+
+        def timed_call(*a, **k):
+            if not self.on:
+                return orig(*a, **k)
+            t0 = time.perf_counter()
+            try:
+                return orig(*a, **k)
+            finally:
+                self.parts[label] = self.parts.get(label, 0.0) + time.perf_counter() - t0
+        setattr(owner, name, timed_call)
 
 
 # ------------------------------------------------------------------ save / stall / same-layout load
@@ -138,27 +168,18 @@ def save_and_load(root: str, mib: int, reps: int):
     rank, world = rank_world()
     state = llm_like_state(world, mib, sharded=True)
     results: Dict[str, List[float]] = {k: [] for k in (
-        "bcp_save", "dcp_save", "torch_save_rank0", "raw_write_fsync", "bcp_load", "dcp_load", "torch_load_rank0",
-        "bcp_async_stall", "dcp_async_stall", "memcpy", "bcp_async_total", "dcp_async_total")}
+        "bcp_save", "dcp_save", "raw_write_fsync", "bcp_load", "dcp_load", "bcp_async_stall", "dcp_async_stall",
+        "memcpy", "bcp_async_total", "dcp_async_total")}
+    parts: List[Dict[str, float]] = []
     local = {k: (v.to_local() if isinstance(v, DTensor) else v) for k, v in state.items()}
-    # rank 0 holds the full state for the torch.save baseline (what Lightning's default does)
-    fulls = {k: v.full_tensor() for k, v in state.items()}
     prefaulted = {k: torch.empty_like(v).zero_() for k, v in local.items()}
+    stall = StallParts()
     for rep in range(reps):
         # interleave peers within each repetition
         p = fresh(f"{root}/bcp_{rep}")
         results["bcp_save"].append(timed(lambda: bcp.save(p, state)))
         p = fresh(f"{root}/dcp_{rep}")
         results["dcp_save"].append(timed(lambda: dcp.save(state, checkpoint_id=p)))
-        p = fresh(f"{root}/torch_{rep}.pt")
-
-        def tsave():
-            if rank == 0:
-                with open(p, "wb") as f:
-                    torch.save(fulls, f)
-                    f.flush()
-                    os.fsync(f.fileno())
-        results["torch_save_rank0"].append(timed(tsave))
         p = fresh(f"{root}/raw_{rep}")
 
         def raw():
@@ -176,71 +197,142 @@ def save_and_load(root: str, mib: int, reps: int):
         results["memcpy"].append(timed(memcpy))
 
         # loads (same layout) of what this repetition wrote
-        time_loads(state, root, rep, results)
-
-        def tload():
-            if rank == 0:
-                torch.load(f"{root}/torch_{rep}.pt", weights_only=True)
-        results["torch_load_rank0"].append(timed(tload))
+        time_loads(state, f"{root}/bcp_{rep}", f"{root}/dcp_{rep}", results)
 
         # async: stall is the time save() blocks the caller; later saves reuse the staging pool
         p = fresh(f"{root}/bcpa_{rep}")
         barrier()
+        stall.parts, stall.on = {}, True
         t0 = time.perf_counter()
         h = bcp.save(p, state, async_save=True)
-        stall = time.perf_counter() - t0
+        took = time.perf_counter() - t0
+        stall.on = False
+        parts.append({k: max_over_ranks(v) for k, v in sorted(stall.parts.items())})
         h.wait()
         total = time.perf_counter() - t0
-        results["bcp_async_stall"].append(max_over_ranks(stall))
+        results["bcp_async_stall"].append(max_over_ranks(took))
         results["bcp_async_total"].append(max_over_ranks(total))
         p = fresh(f"{root}/dcpa_{rep}")
         barrier()
         t0 = time.perf_counter()
         fut = dcp.async_save(state, checkpoint_id=p)
-        stall = time.perf_counter() - t0
+        took = time.perf_counter() - t0
         fut.result()
         total = time.perf_counter() - t0
-        results["dcp_async_stall"].append(max_over_ranks(stall))
+        results["dcp_async_stall"].append(max_over_ranks(took))
         results["dcp_async_total"].append(max_over_ranks(total))
-        for d in ("bcp", "dcp", "torch", "raw", "bcpa", "dcpa"):
+        for d in ("bcp", "dcp", "raw", "bcpa", "dcpa"):
             barrier()
             if rank == 0 and rep < reps - 1:  # keep the last rep's checkpoints for the reshard runs
                 shutil.rmtree(f"{root}/{d}_{rep}", ignore_errors=True)
-                if d == "torch":
-                    try:
-                        os.remove(f"{root}/torch_{rep}.pt")
-                    except FileNotFoundError:
-                        pass
         gc.collect()
     emit(kind="save_load", world=world, total_bytes=state_bytes(state), reps=reps,
-         results=results, last_rep=reps - 1)
+         results=results, stall_parts=parts, last_rep=reps - 1)
 
 
-def resharded_load(root: str, mib: int, rep: int):
-    """Load the W=2 checkpoints (bcp and dcp) at this world size."""
-    rank, world = rank_world()
+def save_only(root: str, mib: int, tag: str):
+    """Write one bcp and one dcp checkpoint of the sharded state at this world size (untimed)."""
+    _, world = rank_world()
+    state = llm_like_state(world, mib, sharded=True)
+    bcp.save(fresh(f"{root}/bcp_{tag}"), state)
+    dcp.save(state, checkpoint_id=fresh(f"{root}/dcp_{tag}"))
+    emit(kind="saved", world=world)
+
+
+def resharded_load(root: str, mib: int, tag: str, reps: int = 2):
+    """Load the checkpoints `tag` (bcp and dcp, saved at another world size) at this world size."""
+    _, world = rank_world()
     state = llm_like_state(world, mib, sharded=True)
     results = {"bcp_load": [], "dcp_load": []}
-    for _ in range(2):
-        time_loads(state, root, rep, results)
+    for _ in range(reps):
+        time_loads(state, f"{root}/bcp_{tag}", f"{root}/dcp_{tag}", results)
     emit(kind="reshard", world=world, results=results)
 
 
-def replicated_bytes_read(root: str, mib: int):
-    """Storage bytes read by all ranks for a replicated (DDP) load, bcp vs dcp."""
-    rank, world = rank_world()
+def replicated_load(root: str, mib: int, reps: int = 2):
+    """Replicated (DDP) state: load time bcp (zero-redundancy by policy, on, off) vs dcp, and the
+    storage bytes all ranks read (/proc/self/io rchar)."""
+    _, world = rank_world()
     state = llm_like_state(world, mib, sharded=False)
     pb, pd = fresh(f"{root}/rep_bcp"), fresh(f"{root}/rep_dcp")
     bcp.save(pb, state)
     dcp.save(state, checkpoint_id=pd)
-    out = {}
-    for name, fn in (("bcp", lambda t: bcp.load(pb, t)), ("dcp", lambda t: dcp.load(t, checkpoint_id=pd))):
+    engines = {"auto": bcp.Checkpointer(), "on": bcp.Checkpointer(zero_redundancy=True),
+               "off": bcp.Checkpointer(zero_redundancy=False)}
+    results: Dict[str, List[float]] = {}
+    read: Dict[str, float] = {}
+    for _ in range(reps):
+        for name, fn in [(f"bcp_{k}", (lambda e: lambda t: e.load(pb, t))(e)) for k, e in engines.items()] + [
+                ("dcp", lambda t: dcp.load(t, checkpoint_id=pd))]:
+            tgt = zeros_like_state(state)
+            barrier()
+            before = rchar()
+            results.setdefault(name, []).append(timed(lambda: fn(tgt)))
+            read[name] = sum_over_ranks(rchar() - before)
+            check_equal(state, tgt)
+    counted = sum_over_ranks(engines["on"].last_load_stats.bytes_read)
+    for e in engines.values():
+        e.close()
+    emit(kind="replicated", world=world, checkpoint_bytes=state_bytes(state), results=results, rchar=read,
+         bcp_on_bytes_read=counted)
+
+
+# ------------------------------------------------------------------ object store (bench_s3.py)
+
+def _s3fs_kwargs(opts):
+    return {"key": opts["access_key_id"], "secret": opts["secret_access_key"],
+            "client_kwargs": {"endpoint_url": opts["endpoint"], "region_name": "us-east-1"}}
+
+
+def s3_save_load(url: str, opts: dict, mib: int, reps: int):
+    """FSDP state on the object store: bcp save/load vs DCP + fsspec/s3fs, interleaved."""
+    rank, world = rank_world()
+    state = llm_like_state(world, mib, sharded=True)
+    ckpt = bcp.Checkpointer(storage_options=opts)
+    try:
+        import s3fs  # noqa: F401
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+        have_s3fs = True
+    except ImportError:
+        have_s3fs = False
+    results: Dict[str, List[float]] = {"bcp_save": [], "bcp_load": [], "dcp_save": [], "dcp_load": []}
+    for rep in range(reps):
+        path = f"{url}/bcp_{rep}"
+        results["bcp_save"].append(timed(lambda: ckpt.save(path, state)))
         tgt = zeros_like_state(state)
-        barrier()
-        before = rchar()
-        t = timed(lambda: fn(tgt))
-        read = sum_over_ranks(rchar() - before)
+        results["bcp_load"].append(timed(lambda: ckpt.load(path, tgt)))
         check_equal(state, tgt)
-        out[name] = {"bytes_read": read, "seconds": t}
-    out["bcp_stats_bytes_read"] = sum_over_ranks(bcp.last_load_stats.bytes_read)
-    emit(kind="replicated_read", world=world, checkpoint_bytes=state_bytes(state), results=out)
+        if have_s3fs:
+            dpath = f"{url}/dcp_{rep}"
+            kw = _s3fs_kwargs(opts)
+            results["dcp_save"].append(timed(lambda: dcp.save(state, storage_writer=FsspecWriter(dpath, **kw))))
+            tgt = zeros_like_state(state)
+            results["dcp_load"].append(timed(lambda: dcp.load(tgt, storage_reader=FsspecReader(dpath, **kw))))
+            check_equal(state, tgt)
+        barrier()
+        if rank == 0:
+            ckpt.delete(path)
+    ckpt.close()
+    emit(kind="s3", world=world, total_bytes=state_bytes(state), results=results, have_s3fs=have_s3fs)
+
+
+def s3_replicated(url: str, opts: dict, mib: int, reps: int):
+    """Replicated (DDP) state on the object store: load with zero-redundancy on vs off."""
+    _, world = rank_world()
+    state = llm_like_state(world, mib, sharded=False)
+    engines = {"on": bcp.Checkpointer(storage_options=opts, zero_redundancy=True),
+               "off": bcp.Checkpointer(storage_options=opts, zero_redundancy=False),
+               "auto": bcp.Checkpointer(storage_options=opts)}
+    path = f"{url}/rep_bcp"
+    engines["on"].save(path, state)
+    results: Dict[str, List[float]] = {k: [] for k in engines}
+    stats: Dict[str, float] = {}
+    for _ in range(reps):
+        for name, e in engines.items():
+            tgt = zeros_like_state(state)
+            results[name].append(timed(lambda: e.load(path, tgt)))
+            check_equal(state, tgt)
+            stats[name] = sum_over_ranks(e.last_load_stats.bytes_read)
+    for e in engines.values():
+        e.close()
+    emit(kind="s3_replicated", world=world, total_bytes=state_bytes(state), results=results, bytes_read=stats)

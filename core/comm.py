@@ -125,6 +125,12 @@ class Comm:
         if self.enabled and self.world_size > 1:
             dist.broadcast(t, src=self._global(src), group=self.group)
 
+    def broadcast_tensor_async(self, t: torch.Tensor, src: int):
+        """Start a broadcast; returns its work handle (`.wait()`), or None when there is nothing to do."""
+        if self.enabled and self.world_size > 1:
+            return dist.broadcast(t, src=self._global(src), group=self.group, async_op=True)
+        return None
+
     def tensor_device(self) -> torch.device:
         return self._device()
 

@@ -22,7 +22,7 @@ from .metadata import FORMAT_VERSION, METADATA_FILE, ArrayMeta, Metadata, Object
 from .planner import SavePlan
 from .storage import Storage
 
-# (object file entry, {array path: {chunk name: crc32}}) or None, and an error message or None
+# (object file entry, {array path: {chunk name: block crc32s}}) or None, and an error message or None
 RankResult = Tuple[Optional[Tuple[ObjectFileMeta, Dict[str, Dict[str, int]]]], Optional[str]]
 
 
@@ -46,7 +46,7 @@ def build_metadata(url: str, full: SavePlan, save_id: str, data_dir: str, world_
         detail = "; ".join(f"rank {r}: {e}" for r, e in failed[:8])
         raise CheckpointError(f"save to {url!r} failed on {len(failed)} rank(s), nothing was committed "
                               f"(a previous checkpoint there is intact): {detail}")
-    checksums: Dict[str, Dict[str, int]] = {}
+    checksums: Dict[str, Dict[str, Any]] = {}
     for res, _ in results:
         for path, sums in res[1].items():
             checksums.setdefault(path, {}).update(sums)
@@ -56,7 +56,7 @@ def build_metadata(url: str, full: SavePlan, save_id: str, data_dir: str, world_
                                tuple(RegionMeta(r.offsets, r.lengths, f"{data_dir}/{r.array}", r.array_offsets,
                                                 r.writer) for r in t.regions))
                  for k, t in full.tensors.items()},
-        arrays={f"{data_dir}/{p}": rooted(a, data_dir, checksums.get(p)) for p, a in full.arrays.items()},
+        arrays={f"{data_dir}/{p}": rooted(a, data_dir, checksums.get(p, {})) for p, a in full.arrays.items()},
         objects=tuple(res[0] for res, _ in results),
         structure=structure,
         info={"data_dir": data_dir, "created_unix": time.time(), "torch": torch.__version__,
@@ -65,8 +65,14 @@ def build_metadata(url: str, full: SavePlan, save_id: str, data_dir: str, world_
     return md
 
 
-def rooted(a: ArrayMeta, data_dir: str, checksums: Optional[Dict[str, int]] = None) -> ArrayMeta:
-    return ArrayMeta(f"{data_dir}/{a.path}", a.shape, a.chunks, a.dtype, dict(checksums or a.checksums))
+def rooted(a: ArrayMeta, data_dir: str, checksums: Optional[Dict[str, Any]] = None) -> ArrayMeta:
+    """The array under the save's data directory; with the writers' checksums (per-block tuples,
+    chunks.BLOCK_BYTES long blocks) when given."""
+    if checksums is None:
+        return ArrayMeta(f"{data_dir}/{a.path}", a.shape, a.chunks, a.dtype, dict(a.checksums), a.block_bytes)
+    from .storage.chunks import BLOCK_BYTES
+    return ArrayMeta(f"{data_dir}/{a.path}", a.shape, a.chunks, a.dtype,
+                     {k: tuple(v) for k, v in checksums.items()}, BLOCK_BYTES)
 
 
 def collect_by_collective(comm: Comm, local: RankResult, decide) -> None:

@@ -87,22 +87,12 @@ def chunk_needs(md: Metadata, reads: Sequence[ReadItem], dests: Sequence[torch.T
 
 def read_chunks(store: Storage, workers: Workers, md: Metadata, needs: Needs, stats: LoadStats, what: str) -> None:
     """Read every needed chunk (all in flight at once), check it, copy its parts into place. A
-    chunk that fills one contiguous target is read straight into it."""
-    started = []
-    for ref, parts in needs.items():
-        meta = md.arrays[ref[0]]
-        if chunks.lands_whole(meta, parts):
-            started.append((ref, chunks.start_read_into(store, meta, ref[1], parts[0][1])))
-        else:
-            started.append((ref, (chunks.start_chunk_reads(store, [(meta, ref[1])])[0], None)))
+    chunk that fills one contiguous target is read straight into it; a chunk needed only in part
+    is read as the checksum blocks that hold that part (chunks.ChunkRead)."""
+    started = [(ref, chunks.ChunkRead(store, md.arrays[ref[0]], ref[1], parts)) for ref, parts in needs.items()]
 
-    def finish(ref, request) -> int:  # I/O, checksum and copy release the GIL: run on the worker pool
-        meta, (req, view) = md.arrays[ref[0]], request
-        if view is not None:
-            return chunks.finish_read_into(req, view, meta, ref[1], f"{what} {ref[0]!r}")
-        raw = chunks.chunk_bytes(req, meta, ref[1], f"{what} {ref[0]!r}")
-        chunks.copy_parts(chunks.chunk_tensor(raw, meta, torch_dtype(meta.dtype)), ref[1], meta, needs[ref])
-        return len(raw)
+    def finish(ref, read) -> int:  # I/O, checksum and copy release the GIL: run on the worker pool
+        return read.finish(f"{what} {ref[0]!r}", torch_dtype(md.arrays[ref[0]].dtype))
 
     for nbytes in workers.map(finish, started):
         stats.bytes_read += nbytes
@@ -220,12 +210,10 @@ def load(comm: Comm, store: Storage, workers: Workers, md: Metadata, state: Dict
     needs = chunk_needs(md, reads, [dest_of(r) for r in reads])
     shared = shared(comm, md, needs)
 
-    def read_local():  # this rank's share of the shared chunks, then the chunks only it needs
-        zero_redundancy.read_assigned(comm, store, md, shared, stats)
-        read_chunks(store, workers, md, shared.local_needs(needs), stats, "loading")
-
-    comm.run(read_local, f"reading {store.url!r}")
-    zero_redundancy.exchange(comm, md, shared, needs, stats)
+    # the chunks only this rank needs, then the shared ones (read once, broadcast, pipelined)
+    comm.run(lambda: read_chunks(store, workers, md, shared.local_needs(needs), stats, "loading"),
+             f"reading {store.url!r}")
+    zero_redundancy.exchange(comm, store, workers, md, shared, needs, stats)
 
     def read_all():
         if flat.setters or flat.subtrees:

@@ -6,9 +6,11 @@ allocating without bound.
 """
 from __future__ import annotations
 
+import base64
 import json
 import math
 import re
+import struct
 import zlib
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Tuple
@@ -16,7 +18,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 from .errors import FormatVersionError, MetadataError
 
 FORMAT_NAME = "bytecheckpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: per-block chunk checksums (ArrayMeta.block_bytes); version 1 still loads
 METADATA_FILE = "metadata.json"
 MAX_NDIM = 32
 MAX_ELEMENTS = 1 << 50  # far above any real tensor; rejects absurd shapes before allocation
@@ -50,7 +52,10 @@ class ArrayMeta:
     shape: Tuple[int, ...]
     chunks: Tuple[int, ...]
     dtype: str
-    checksums: Mapping[str, int] = field(default_factory=dict)  # chunk name ("i.j") -> zlib crc32
+    # chunk name ("i.j") -> zlib crc32 of the chunk (block_bytes == 0, format 1), or a tuple with
+    # the crc32 of every block_bytes-long block of the chunk (the last one may be shorter)
+    checksums: Mapping[str, Any] = field(default_factory=dict)
+    block_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -94,7 +99,7 @@ class Metadata:
             "save_id": self.save_id,
             "world_size": self.world_size,
             "tensors": {k: _tensor_to_json(t) for k, t in self.tensors.items()},
-            "arrays": {k: {**asdict(a), "checksums": dict(a.checksums)} for k, a in self.arrays.items()},
+            "arrays": {k: _array_to_json(a) for k, a in self.arrays.items()},
             "objects": [asdict(o) for o in self.objects],
             "structure": self.structure,
             "info": dict(self.info),
@@ -133,6 +138,41 @@ def _tensor_to_json(t: TensorMeta) -> Dict[str, Any]:
             regions.append([list(r.offsets), list(r.lengths), r.writer, r.array, list(r.array_offsets)])
     return {"dtype": t.dtype, "shape": list(t.shape), "layout": t.layout, "holders": t.holders,
             "array": default, "regions": regions}
+
+
+def _array_to_json(a: ArrayMeta) -> Dict[str, Any]:
+    """Block checksums (block_bytes > 0) are base64 of the little-endian uint32 crc32 of each block."""
+    body = {"path": a.path, "shape": list(a.shape), "chunks": list(a.chunks), "dtype": a.dtype}
+    if not a.block_bytes:
+        return {**body, "checksums": {k: int(v) for k, v in a.checksums.items()}}
+    sums = {k: base64.b64encode(struct.pack(f"<{len(v)}I", *v)).decode("ascii") for k, v in a.checksums.items()}
+    return {**body, "block_bytes": a.block_bytes, "checksums": sums}
+
+
+def blocks_per_chunk(chunks: Tuple[int, ...], dtype: str, block_bytes: int) -> int:
+    return max(1, -(-math.prod(chunks) * dtype_itemsize(dtype) // block_bytes))
+
+
+def _parse_sums(a: Dict[str, Any], chunks: Tuple[int, ...], dtype: str, version: int, w: str
+                ) -> Tuple[Dict[str, Any], int]:
+    sums = a.get("checksums", {})
+    _expect(isinstance(sums, dict) and all(isinstance(k, str) and len(k) < 256 for k in sums), w,
+            "checksums malformed")
+    block = a.get("block_bytes", 0)
+    if version < 2 or block == 0:
+        return {k: _int(v, w, 0, (1 << 32) - 1) for k, v in sums.items()}, 0
+    block = _int(block, w, 1, 1 << 40)
+    n = blocks_per_chunk(chunks, dtype, block)
+    out = {}
+    for k, v in sums.items():
+        _expect(isinstance(v, str) and len(v) == 4 * -(-4 * n // 3), w, f"chunk {k!r:.40}: expected {n} block checksums")
+        try:
+            raw = base64.b64decode(v.encode("ascii"), validate=True)
+        except ValueError:
+            raw = b""
+        _expect(len(raw) == 4 * n, w, f"chunk {k!r:.40}: block checksums are not base64 of {n} uint32")
+        out[k] = struct.unpack(f"<{n}I", raw)
+    return out, block
 
 
 # ---------------------------------------------------------------- validation
@@ -195,14 +235,11 @@ def _parse(body: Any, where: str) -> Metadata:
         shape = _ints(a.get("shape"), w)
         chunks = _ints(a.get("chunks"), w, len(shape))
         _expect(math.prod(shape) <= MAX_ELEMENTS and all(c >= 1 for c in chunks), w, "absurd shape or chunks")
-        sums = a.get("checksums", {})
-        _expect(isinstance(sums, dict) and all(isinstance(k, str) and len(k) < 256 for k in sums), w,
-                "checksums malformed")
+        sums, block = _parse_sums(a, chunks, a["dtype"], version, w)
         # every chunk has a checksum: bounds the chunk count by the metadata's own size
         n_chunks = math.prod(-(-s // c) for s, c in zip(shape, chunks)) if shape else 1
         _expect(n_chunks == len(sums), w, f"{n_chunks} chunks but {len(sums)} checksums")
-        arrays[path] = ArrayMeta(path, shape, chunks, a["dtype"],
-                                 {k: _int(v, w, 0, (1 << 32) - 1) for k, v in sums.items()})
+        arrays[path] = ArrayMeta(path, shape, chunks, a["dtype"], sums, block)
 
     tensors_raw = body.get("tensors")
     _expect(isinstance(tensors_raw, dict), where, "tensors is not an object")

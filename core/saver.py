@@ -151,8 +151,9 @@ def sources(flat: Flat, writes: Sequence[WriteItem]) -> List[torch.Tensor]:
 
 
 def write_local(store: Storage, workers: Workers, data_dir: str, local: LocalPlan, data: Sequence[torch.Tensor],
-                objects_blob: bytes, rank: int) -> Tuple[ObjectFileMeta, Dict[str, Dict[str, int]]]:
-    """Write this rank's boxes and plain values; returns the object file entry and chunk crc32s."""
+                objects_blob: bytes, rank: int) -> Tuple[ObjectFileMeta, Dict[str, Dict[str, Tuple[int, ...]]]]:
+    """Write this rank's boxes and plain values; returns the object file entry and the block crc32s
+    of every chunk it wrote."""
     arrays = {p: commit.rooted(a, data_dir) for p, a in local.arrays.items()}
     created = [chunks.write_zarr_json(store, arrays[path]) for path in local.creates]
     pending: Dict[str, chunks.PendingWrite] = {}
@@ -164,7 +165,7 @@ def write_local(store: Storage, workers: Workers, data_dir: str, local: LocalPla
     checksums = {path: p.finish(f"tensor data {path!r} to {store.url!r}") for path, p in pending.items()}
     for fut in created:
         fut.result()
-    store.sync()  # one flush of the whole file system instead of an fsync per chunk
+    store.sync()  # durable before reporting success (big chunks were fdatasync'ed as written)
     return ObjectFileMeta(rank, obj_path, len(objects_blob), zlib.crc32(objects_blob)), checksums
 
 

@@ -5,16 +5,18 @@ ranks on several hosts, or NCCL; off for ranks that share a host reading local f
 re-reading the page cache beats a broadcast over gloo).
 
 Every rank announces the stored chunks it needs; `planner.assign_readers` picks one balanced
-reader for each chunk wanted by 2+ ranks; each reader reads (and checksums) its chunks into one
-flat buffer, and the buffers are broadcast. Chunks only one rank needs are read by that rank.
-The three steps are separate so the caller agrees on failures between them: no rank ever sits
-in a broadcast while another has failed.
+reader for each chunk wanted by 2+ ranks; each reader reads (and checksums) its chunks and they
+are broadcast one by one, pipelined: the readers' storage reads all start at once and overlap
+the broadcasts, which go out in turn from each reader (`schedule`), a few in flight. A chunk
+lands straight in its target when it fills one contiguous tensor (no staging copy on either
+side). Chunks only one rank needs are read by that rank.
 """
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -30,7 +32,6 @@ ChunkRef = Tuple[str, Tuple[int, ...]]
 class SharedPlan:
     by_reader: Dict[int, List[ChunkRef]] = field(default_factory=dict)
     sizes: Dict[ChunkRef, int] = field(default_factory=dict)
-    buffers: Dict[int, torch.Tensor] = field(default_factory=dict)
 
     def shared(self) -> set:
         return {q for qs in self.by_reader.values() for q in qs}
@@ -80,50 +81,79 @@ def plan_shared(comm: Comm, md: Metadata, needs: Dict[ChunkRef, Any]) -> SharedP
     return plan
 
 
-def _layout(plan: SharedPlan, reader: int) -> Tuple[List[Tuple[ChunkRef, int]], int]:
-    """Where each chunk sits in the reader's buffer (16-byte aligned so any dtype can view it)."""
-    out, off = [], 0
-    for q in plan.by_reader[reader]:
-        out.append((q, off))
-        off += -(-plan.sizes[q] // 16) * 16
-    return out, off
+def schedule(plan: SharedPlan) -> List[Tuple[int, ChunkRef]]:
+    """The order every rank walks the shared chunks in: readers taken in turn, so each reader's
+    storage reads overlap the broadcasts of the others' chunks."""
+    lists = [[(r, q) for q in plan.by_reader[r]] for r in sorted(plan.by_reader)]
+    return [item for group in itertools.zip_longest(*lists) for item in group if item is not None]
 
 
-def read_assigned(comm: Comm, store, md: Metadata, plan: SharedPlan, stats) -> None:
-    """Local: read and checksum the chunks this rank was chosen for, into its outgoing buffer."""
-    if comm.rank not in plan.by_reader:
-        return
-    layout, total = _layout(plan, comm.rank)
-    buf = torch.empty(total, dtype=torch.uint8)
-    futures = chunks.start_chunk_reads(store, [(md.arrays[a], i) for (a, i), _ in layout])
-    for ((array, index), off), fut in zip(layout, futures):
-        raw = chunks.chunk_bytes(fut, md.arrays[array], index, f"loading {array!r}")
-        buf[off:off + len(raw)].copy_(chunks.as_uint8(raw))
-        stats.bytes_read += len(raw)
-        stats.reads += 1
-    plan.buffers[comm.rank] = buf
+class _Incoming:
+    """A chunk this rank receives: straight into its target when it lands there whole."""
+
+    def __init__(self, meta, parts, size: int):
+        self.meta, self.parts = meta, parts
+        self.direct = parts is not None and chunks.lands_whole(meta, parts)
+        if self.direct:
+            self.buf = chunks.as_uint8_view(parts[0][1])
+        else:
+            self.buf = torch.empty(size, dtype=torch.uint8)
+
+    def land(self, index, dtype) -> None:
+        if not self.direct and self.parts:
+            chunks.copy_parts(chunks.chunk_tensor(self.buf, self.meta, dtype), index, self.meta, self.parts)
 
 
-def exchange(comm: Comm, md: Metadata, plan: SharedPlan, needs: Dict[ChunkRef, Any], stats) -> None:
-    """Collective: broadcast each reader's buffer; every rank copies out the parts it needs."""
+def exchange(comm: Comm, store, workers, md: Metadata, plan: SharedPlan, needs: Dict[ChunkRef, Any], stats,
+             window: int = 4) -> None:
+    """Collective: each shared chunk is read (and checked) by its reader and broadcast to every
+    rank, chunk by chunk, up to `window` broadcasts in flight. The reader's reads all start at
+    once and run on the worker pool while broadcasts go out. A rank whose read fails still takes
+    part in every broadcast (sending filler), then every rank raises the error (comm.agree)."""
     from .loader import torch_dtype
+    order = schedule(plan)
+    if not order:
+        return
     device = comm.tensor_device()
-    for reader in sorted(plan.by_reader):
-        layout, total = _layout(plan, reader)
-        buf = plan.buffers.pop(reader, None)
-        if buf is None:
-            buf = torch.empty(total, dtype=torch.uint8)
+    mine = [q for r, q in order if r == comm.rank]
+    reads = [chunks.ChunkRead(store, md.arrays[q[0]], q[1], needs[q], keep=True) for q in mine]
+    finished = workers.map(lambda q, rd: rd.finish(f"loading {q[0]!r}", torch_dtype(md.arrays[q[0]].dtype)),
+                           list(zip(mine, reads)))
+    error: Optional[BaseException] = None
+    inflight: List[Tuple[Any, Any, ChunkRef, Optional[_Incoming], torch.Tensor, torch.Tensor]] = []
+
+    def complete(entry) -> None:
+        work, _, q, incoming, wire, buf = entry
+        if work is not None:
+            work.wait()
+        if incoming is not None:
+            if wire is not buf:
+                buf.copy_(wire)
+            if error is None:
+                incoming.land(q[1], torch_dtype(md.arrays[q[0]].dtype))
+            stats.bytes_received += plan.sizes[q]
+
+    own = iter(reads)
+    for reader, q in order:
+        meta = md.arrays[q[0]]
+        incoming = None
+        if reader == comm.rank:
+            read = next(own)
+            try:
+                nbytes = next(finished)
+                buf = read.raw
+                stats.bytes_read += nbytes
+                stats.reads += 1
+            except Exception as exc:  # noqa: BLE001 - keep the broadcasts matched, raise after
+                error = error or exc
+                buf = torch.empty(plan.sizes[q], dtype=torch.uint8)
+        else:
+            incoming = _Incoming(meta, needs.get(q), plan.sizes[q])
+            buf = incoming.buf
         wire = buf if device.type == "cpu" else buf.to(device)
-        comm.broadcast_tensor(wire, src=reader)
-        if wire is not buf:
-            buf = wire.cpu()
-        for (array, index), off in layout:
-            parts = needs.get((array, index))
-            if not parts:
-                continue
-            if reader != comm.rank:
-                stats.bytes_received += plan.sizes[(array, index)]
-            meta = md.arrays[array]
-            chunk = chunks.chunk_tensor(buf[off:off + plan.sizes[(array, index)]], meta, torch_dtype(meta.dtype))
-            chunks.copy_parts(chunk, index, meta, parts)
-        del buf, wire
+        inflight.append((comm.broadcast_tensor_async(wire, reader), reader, q, incoming, wire, buf))
+        while len(inflight) >= window:
+            complete(inflight.pop(0))
+    for entry in inflight:
+        complete(entry)
+    comm.agree(error, "zero-redundancy load (shared chunks)")

@@ -122,11 +122,15 @@ def save_all(path: str, async_save: bool = False):
     print(f"rank {rank}: saved {path}")
 
 
-def load_all(paths, check_bytes: bool = False):
+def load_all(paths, check_bytes: bool = False, zero_redundancy: bool = False):
+    """Load every path; with zero_redundancy, also once more with shared reads forced on (the
+    'auto' policy keeps them off for ranks of one host on local files)."""
     rank, world = rank_world()
-    for path in paths:
+    shared = bcp.Checkpointer(zero_redundancy=True)
+    runs = [(p, bcp.load) for p in paths] + ([(p, shared.load) for p in paths] if zero_redundancy else [])
+    for path, load in runs:
         state = build_state(world, rank, zero=True)
-        bcp.load(path, state)
+        load(path, state)
         for name, value in state.items():
             if name == "extra":
                 want = build_state(world, rank, zero=False)["extra"]
@@ -137,3 +141,15 @@ def load_all(paths, check_bytes: bool = False):
                 want, got = want.view(torch.uint8), got.view(torch.uint8)
             assert torch.equal(want, got), f"{path}: {name} differs on rank {rank} at world {world}"
         print(f"rank {rank}: loaded {path} ok; stats {bcp.last_load_stats}")
+
+
+def load_corrupt_shared(path: str):
+    """A chunk every rank needs is corrupt and read by one rank for all: every rank raises, none hangs."""
+    rank, world = rank_world()
+    state = build_state(world, rank, zero=True)
+    try:
+        bcp.Checkpointer(zero_redundancy=True, timeout_s=60).load(path, state)
+    except bcp.CheckpointError as exc:
+        print(f"rank {rank}: raised {type(exc).__name__}: {exc}")
+    else:
+        raise AssertionError("a corrupt shared chunk was loaded without an error")

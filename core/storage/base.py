@@ -11,7 +11,7 @@ storage's `request_timeout_s`, and a failure is a `StorageError` naming the URL 
 from __future__ import annotations
 
 import abc
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 from .errors import StorageTimeoutError
 
@@ -64,6 +64,12 @@ class Storage(abc.ABC):
     @abc.abstractmethod
     def read_range(self, key: str, start: int, stop: int) -> Request:
         """Start reading bytes [start, stop) of an object; result() as for read()."""
+
+    @abc.abstractmethod
+    def read_range_into(self, key: str, start: int, dests: Sequence[memoryview]) -> Request:
+        """Start reading the bytes from `start` on into `dests`, back to back (a scatter read of
+        exactly sum(len(d)) bytes); result() is the number of bytes read, or None when the object
+        does not exist; CorruptCheckpointError when the object is shorter."""
 
     # ------------------------------------------------------------ small objects
     @abc.abstractmethod

@@ -181,6 +181,9 @@ class FaultyStorage(Storage):
     def read_range(self, key: str, start: int, stop: int) -> Request:
         return self._bulk("read", key, lambda: self._inner.read_range(key, start, stop))
 
+    def read_range_into(self, key: str, start: int, dests) -> Request:
+        return self._bulk("read", key, lambda: self._inner.read_range_into(key, start, dests))
+
     def get(self, key: str) -> Optional[bytes]:
         self._check("read", key)
         return self._inner.get(key)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import tensorstore as ts
 
@@ -85,6 +85,22 @@ class KvStorage(Storage):
         fut = self.kv.read(key, byte_range=ts.KvStore.ByteRange(inclusive_min=start, exclusive_max=stop))
         return _Pending(self, fut, key, "reading", _value)
 
+    def read_range_into(self, key: str, start: int, dests: Sequence[memoryview]) -> Request:
+        want = sum(len(d) for d in dests)
+
+        def scatter(raw: Optional[bytes]) -> Optional[int]:
+            if raw is None:
+                return None
+            if len(raw) != want:
+                raise CorruptCheckpointError(f"{self.where(key)} is shorter than expected; the checkpoint is damaged")
+            src, pos = memoryview(raw), 0
+            for d in dests:
+                d[:] = src[pos:pos + len(d)]
+                pos += len(d)
+            return want
+        fut = self.kv.read(key, byte_range=ts.KvStore.ByteRange(inclusive_min=start, exclusive_max=start + want))
+        return _Pending(self, fut, key, "reading", lambda r: scatter(_value(r)))
+
     # ------------------------------------------------------------ small objects
     def get(self, key: str) -> Optional[bytes]:
         return _value(self._wait(self.kv.read(key), key, "reading"))
@@ -149,7 +165,7 @@ class KvStorage(Storage):
         file system replaces them. Object stores are durable once a write returns."""
         if self.scheme == "file" and os.path.isdir(self.local_root):
             from .posix import PosixStorage
-            PosixStorage(self.url, self.local_root).sync()
+            PosixStorage(self.url, self.local_root).syncfs()
 
 
 def _probe_bucket(storage: KvStorage, kv: ts.KvStore) -> None:

@@ -23,7 +23,27 @@ def saved(tmp_path_factory):
 @pytest.mark.parametrize("load_world", WORLDS)
 def test_load_at_other_world_sizes(saved, load_world):
     others = [saved[w] for w in WORLDS if w != load_world]
-    outs = run_ranks("scenarios_reshard:load_all", load_world, {"paths": others}, timeout=180)
+    # W=2 and W=3 also load with zero-redundancy forced on (shared chunks read once, broadcast)
+    outs = run_ranks("scenarios_reshard:load_all", load_world,
+                     {"paths": others, "zero_redundancy": load_world in (2, 3)}, timeout=180)
     assert all("ok" in o for o in outs)
+
+
+@pytest.mark.timeout(300)
+def test_corrupt_shared_chunk_fails_every_rank(saved, tmp_path):
+    """Zero-redundancy load: the one reader of a chunk finds it corrupt; every rank raises."""
+    import json
+    import shutil
+    copy = tmp_path / "corrupt"
+    shutil.copytree(saved[1], copy)
+    body = json.loads((copy / "metadata.json").read_text())
+    key = next(k for k in body["tensors"] if k.startswith("replicated"))
+    array = body["tensors"][key]["array"] or body["tensors"][key]["regions"][0][3]
+    chunk = next(p for p in (copy / array / "c").rglob("*") if p.is_file())
+    raw = bytearray(chunk.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    chunk.write_bytes(bytes(raw))
+    outs = run_ranks("scenarios_reshard:load_corrupt_shared", 2, {"path": str(copy)}, timeout=180)
+    assert all("raised" in o and "crc32" in o for o in outs), outs
 
 
