@@ -44,7 +44,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.path.join(HERE, "out", "checkpoint.json"))
     args = ap.parse_args(argv)
     mib = args.mib or (192 if args.quick else 768)
-    reps = args.reps or (3 if args.quick else 5)
+    reps = args.reps or 3
     shutil.rmtree(args.dir, ignore_errors=True)
     os.makedirs(args.dir)
     env = {"PYTHONPATH": HERE}

@@ -176,7 +176,8 @@ class Heartbeat:
         self._thread: Optional[threading.Thread] = None
 
     def start(self) -> "Heartbeat":
-        self._beat(0)
+        """The first beat is written by the thread (not the caller: it is on an async save's stall;
+        peers look at beats only after waiting a second for a marker)."""
         self._thread = threading.Thread(target=self._run, name="bytecheckpoint-heartbeat", daemon=True)
         self._thread.start()
         return self
@@ -187,6 +188,7 @@ class Heartbeat:
             self._thread.join()
 
     def _run(self) -> None:
+        self._beat(0)
         n = 1
         while not self._stop.wait(self.interval):
             self._beat(n)

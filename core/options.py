@@ -32,7 +32,7 @@ class Options:
     async_save: bool = False
     # Staging buffer sets for async save: 2 = ping-pong (a 3rd save waits for the 1st's write).
     staging_slots: int = 2
-    # Worker threads per operation for checksums, encoding and file I/O (None: min(4, cores)).
+    # Worker threads per operation for checksums, encoding and file I/O (None: 4).
     io_threads: Optional[int] = None
     # Storage requests in flight (tensorstore Context limits).
     io_concurrency: int = 32
@@ -66,7 +66,7 @@ class Options:
 
     @property
     def threads(self) -> int:
-        return self.io_threads or min(4, os.cpu_count() or 1)
+        return self.io_threads or 4  # I/O-bound (fdatasync, reads): 4 even on 1-3 cores (docs/results.md)
 
     @property
     def peer_timeout_s(self) -> float:

@@ -74,9 +74,13 @@ class BackgroundRunner:
         return future
 
     def join(self, timeout: Optional[float] = None) -> None:
-        with self._lock:
-            threads = list(self._threads)
-        for t in threads:
-            t.join(timeout)
-        with self._lock:
-            self._threads = [t for t in self._threads if t.is_alive()]
+        """Wait for every job thread, including jobs that running jobs submit (e.g. pre-faulting)."""
+        while True:
+            with self._lock:
+                threads = [t for t in self._threads if t.is_alive() and t is not threading.current_thread()]
+            for t in threads:
+                t.join(timeout)
+            with self._lock:
+                self._threads = [t for t in self._threads if t.is_alive()]
+            if not threads or timeout is not None:
+                return
