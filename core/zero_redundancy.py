@@ -106,8 +106,8 @@ class _Incoming:
 
 def exchange(comm: Comm, store, workers, md: Metadata, plan: SharedPlan, needs: Dict[ChunkRef, Any], stats,
              window: int = 4) -> None:
-    """Collective: each shared chunk is read (and checked) by its reader and broadcast to every
-    rank, chunk by chunk, up to `window` broadcasts in flight. The reader's reads all start at
+    """Collective: each shared chunk is read whole (and checked) by its reader, which may or may
+    not need it itself, and broadcast to every rank, chunk by chunk, up to `window` broadcasts in flight. The reader's reads all start at
     once and run on the worker pool while broadcasts go out. A rank whose read fails still takes
     part in every broadcast (sending filler), then every rank raises the error (comm.agree)."""
     from .loader import torch_dtype
@@ -116,7 +116,7 @@ def exchange(comm: Comm, store, workers, md: Metadata, plan: SharedPlan, needs: 
         return
     device = comm.tensor_device()
     mine = [q for r, q in order if r == comm.rank]
-    reads = [chunks.ChunkRead(store, md.arrays[q[0]], q[1], needs[q], keep=True) for q in mine]
+    reads = [chunks.ChunkRead(store, md.arrays[q[0]], q[1], needs.get(q, []), keep=True) for q in mine]
     finished = workers.map(lambda q, rd: rd.finish(f"loading {q[0]!r}", torch_dtype(md.arrays[q[0]].dtype)),
                            list(zip(mine, reads)))
     error: Optional[BaseException] = None

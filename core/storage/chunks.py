@@ -279,8 +279,12 @@ class ChunkRead:
             self.req, self.view = start_read_into(storage, meta, index, parts[0][1])
             return
         spans = [part_span(meta, index, part) for part, _ in parts]
-        lo, hi = min(s[0] for s in spans), max(s[1] for s in spans)
-        self.start, self.stop = (0, total) if keep else block_range(meta, lo, hi)
+        if keep or not spans:
+            lo, hi = 0, total
+            self.start, self.stop = 0, total
+        else:
+            lo, hi = min(s[0] for s in spans), max(s[1] for s in spans)
+            self.start, self.stop = block_range(meta, lo, hi)
         if (self.start, self.stop) == (0, total):
             self.req = storage.read(self.key)
             return
