@@ -47,7 +47,7 @@ def main(argv=None) -> int:
     reps = args.reps or 3
     shutil.rmtree(args.dir, ignore_errors=True)
     os.makedirs(args.dir)
-    env = {"PYTHONPATH": HERE}
+    env = {"BCP_TEST_PG_TIMEOUT_S": "900", "PYTHONPATH": HERE}
     timeout = 300 + 60 * reps * max(1, mib // 256)
     common = {"root": args.dir, "mib": mib}
 

@@ -48,7 +48,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     mib = args.mib or (128 if args.quick else 512)
     reps = args.reps or (2 if args.quick else 3)
-    env = {"PYTHONPATH": HERE, "AWS_EC2_METADATA_DISABLED": "true"}
+    env = {"BCP_TEST_PG_TIMEOUT_S": "900", "PYTHONPATH": HERE, "AWS_EC2_METADATA_DISABLED": "true"}
     work = tempfile.mkdtemp(prefix="bcp-bench-s3-")
     timeout = 600 + 40 * reps * max(1, mib // 64)
     try:
