@@ -148,6 +148,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", default=os.environ.get("BCP_BENCH_QUICK") == "1")
     ap.add_argument("names", nargs="*", help="scripts to run (e.g. bench_s3); default: every bench_*.py")
+    ap.add_argument("--ingest", nargs=2, metavar=("NAME", "LOG"), action="append", default=[],
+                    help="take script NAME's figures from the output LOG of a run made by hand (runs nothing)")
     args = ap.parse_args(argv)
     os.makedirs(OUT, exist_ok=True)
     store = os.path.join(OUT, "figures.json")
@@ -156,7 +158,12 @@ def main(argv=None) -> int:
         with open(store) as f:
             runs = json.load(f)
     failed = []
-    for name in scripts(args.names):
+    for name, log in args.ingest:
+        with open(log) as f:
+            text = f.read()
+        runs[name] = {"script": name, "exit": 0, "seconds": None, "quick": "--quick" in text[:200],
+                      "figures": parse(text), "when": time.strftime("%Y-%m-%d %H:%M"), "ingested": log}
+    for name in ([] if args.ingest else scripts(args.names)):
         runs[name] = run(name, args.quick)
         if runs[name]["exit"]:
             failed.append(name)
