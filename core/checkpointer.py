@@ -145,9 +145,10 @@ class Checkpointer:
 
         # One thread start on the caller's thread (each costs a scheduler round trip: measured up
         # to ~60 ms on a loaded machine); the heartbeat and the pre-faulting job start from it.
-        def run() -> None:
+        def run(wait_turn) -> None:
             beat = start_beat() if start_beat is not None else None  # peers can tell this rank is alive
             try:
+                wait_turn()  # after the previous save's job (beating meanwhile: a slow one is not a dead one)
                 with Workers(self.options.threads) as workers:
                     write(workers, staged)
             finally:
@@ -155,7 +156,7 @@ class Checkpointer:
                     beat.stop()
                 pool.release(slot)
                 if not self._closed:  # pre-fault the other slot for the next save, after this job
-                    self._runner.submit(lambda: pool.warm(slot))
+                    self._runner.submit(lambda wait_turn: (wait_turn(), pool.warm(slot)))
 
         handle._future = self._runner.submit(run)
         handle.stats["stall_s"] = time.perf_counter() - t0

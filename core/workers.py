@@ -43,8 +43,10 @@ class Workers:
 class BackgroundRunner:
     """Runs async-save jobs one after another, each on its own thread, which ends with the job.
 
-    Jobs keep their submission order (a job's thread first waits for the previous job), so two
-    saves never commit out of order. `join()` returns when no job thread is left."""
+    Jobs keep their submission order: `fn(wait_turn)` runs at once on its thread and calls
+    `wait_turn()` before the part that must follow the previous job (so a job can start its
+    heartbeat while it waits), and two saves never commit out of order. `join()` returns when no
+    job thread is left."""
 
     def __init__(self, name: str = "bytecheckpoint-save"):
         self._name = name
@@ -52,18 +54,20 @@ class BackgroundRunner:
         self._last: Optional[threading.Thread] = None
         self._threads: list = []
 
-    def submit(self, fn: Callable[[], Any]) -> Future:
+    def submit(self, fn: Callable[[Callable[[], None]], Any]) -> Future:
         future: Future = Future()
         with self._lock:
             previous = self._last
 
-            def run() -> None:
+            def wait_turn() -> None:
                 if previous is not None:
                     previous.join()
+
+            def run() -> None:
                 if not future.set_running_or_notify_cancel():
                     return
                 try:
-                    future.set_result(fn())
+                    future.set_result(fn(wait_turn))
                 except BaseException as exc:  # noqa: BLE001 - delivered through the future
                     future.set_exception(exc)
 
