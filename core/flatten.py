@@ -22,10 +22,10 @@ from .errors import CheckpointError, StateMismatchError
 from .regions import flat_range_to_boxes
 from .shards import FlatShard, Shard
 
+from . import dist_tensors, fsdp1, torch_compat
+
 try:  # DTensor is optional at import time (torch builds without distributed)
-    from torch.distributed.tensor import DTensor, Replicate
-    from torch.distributed.tensor import Shard as DShard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor import DTensor
 except ImportError:  # pragma: no cover
     DTensor = None
 
@@ -280,19 +280,24 @@ if DTensor is not None:
             walk.add_tensor(_dtensor_entry(key, value))
 
     def _dtensor_entry(key: str, dt: "DTensor") -> TensorEntry:
-        if any(not isinstance(p, (Replicate, DShard)) for p in dt.placements):
-            raise CheckpointError(f"{key!r}: DTensor placements {dt.placements} include a Partial (pending "
-                                  f"reduction); call .redistribute(...) to Replicate/Shard before saving")
-        local = dt.to_local()
-        if local.numel() == 0 and any(s == 0 for s in local.shape):
-            return _entry(key, local, tuple(dt.shape), "sharded", [])  # this rank holds nothing
-        lshape, offsets = compute_local_shape_and_global_offset(dt.shape, dt.device_mesh, dt.placements)
-        if tuple(lshape) != tuple(local.shape):
-            raise CheckpointError(f"{key!r}: DTensor local shape {list(local.shape)} does not match its "
-                                  f"placements {dt.placements} (expected {list(lshape)}); uneven strided "
-                                  f"sharding is not supported")
-        layout = "sharded" if any(isinstance(p, DShard) for p in dt.placements) else "replicated"
-        return _entry(key, local, tuple(dt.shape), layout, [(tuple(offsets), local)])
+        shape, layout, pieces = dist_tensors.dtensor_pieces(key, dt)
+        return _entry(key, dt, shape, layout, pieces)
+
+
+_SHARDED_TENSOR = torch_compat.sharded_tensor_class()
+if _SHARDED_TENSOR is not None:
+    @register(_SHARDED_TENSOR)
+    class ShardedTensorHandler(Handler):
+        """FSDP1's SHARDED_STATE_DICT values: each local shard is a box (loaded in place)."""
+
+        def save(self, value, key, walk):
+            shape, dtype, layout, pieces = dist_tensors.sharded_tensor_pieces(key, value)
+            walk.add_tensor(TensorEntry(key, dtype, shape, layout, [
+                Piece(tuple(offs), tuple(t.shape), t) for offs, t in pieces]))
+            return {"tensor": key}
+
+        def load(self, value, key, walk, assign):
+            self.save(value, key, walk)
 
 
 def _entry(key: str, like: torch.Tensor, shape, layout: str, pieces) -> TensorEntry:
@@ -305,9 +310,13 @@ def _entry(key: str, like: torch.Tensor, shape, layout: str, pieces) -> TensorEn
 @register(nn.Module)
 class ModuleHandler(Handler):
     def save(self, value, key, walk):
+        if fsdp1.holds_fsdp1(value):
+            return fsdp1.save_module(value, key, walk)
         return walk.save(dict(value.state_dict()), key)
 
     def load(self, value, key, walk, assign):
+        if fsdp1.holds_fsdp1(value):
+            return fsdp1.load_module(value, key, walk)
         sd = value.state_dict()
         walk.load(sd, key, lambda v: None)
         walk.flat.finalizers.append(lambda: value.load_state_dict(sd))
@@ -322,12 +331,16 @@ class OptimizerHandler(Handler):
         model = _owner_module(value, walk.param_owner)
         if model is None:
             return _STATEFUL.save(value, key, walk)
+        if fsdp1.holds_fsdp1(model):
+            return fsdp1.save_optimizer(value, model, key, walk)
         return walk.save(_named_optimizer_state(model, value), key)
 
     def load(self, value, key, walk, assign):
         model = _owner_module(value, walk.param_owner)
         if model is None:
             return _STATEFUL.load(value, key, walk, assign)
+        if fsdp1.holds_fsdp1(model):
+            return fsdp1.load_optimizer(value, model, key, walk)
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
         # A state dict of plain values only is loaded whole (assign); otherwise in place.
         loaded = {}

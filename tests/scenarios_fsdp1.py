@@ -1,0 +1,158 @@
+"""FSDP1 (FullyShardedDataParallel) scenarios on CPU gloo ranks.
+
+One save run writes three checkpoints from 2 ranks after 3 AdamW steps: the flat route with
+use_orig_params=True and False, and the ShardedTensor route (use_orig_params=True). Each load run
+loads all three into one layout (FSDP1 at 3 ranks, FSDP2 at 2, a plain model on 1 process) and
+compares model and optimizer state bit for bit with FSDP's own full state dict of the saving run.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+from torch.distributed.tensor import DTensor
+
+import bytecheckpoint as bcp
+
+CASES = {  # checkpoint name -> (route used to save, use_orig_params of the saving model)
+    "flat_orig": ("flat", True),
+    "flat_noorig": ("flat", False),
+    "sharded_tensor": ("sharded_tensor", True),
+}
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(16, 24)
+        self.down = nn.Linear(24, 16)
+        self.register_buffer("gain", torch.linspace(0.5, 1.5, 16))
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x))) * self.gain
+
+
+class Net(nn.Module):
+    """Root flat parameter of 224 + 119 elements: cut mid-row over 2 and 3 ranks."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(13, 16)
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.out = nn.Linear(16, 7)
+        self.register_buffer("scale", torch.arange(5.0))
+        self.register_buffer("scratch", torch.zeros(3), persistent=False)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.out(x) * self.scale.sum()
+
+
+def rank_world():
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def fsdp1(model: nn.Module, use_orig_params: bool) -> nn.Module:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    return FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu"),
+                use_orig_params=use_orig_params)
+
+
+def fsdp2(model: nn.Module) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (rank_world()[1],))
+    for b in model.blocks:
+        fully_shard(b, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def build(kind: str, use_orig_params: bool = True, seed: int = 0):
+    torch.manual_seed(seed)
+    model = Net()
+    if kind == "fsdp1":
+        model = fsdp1(model, use_orig_params)
+    elif kind == "fsdp2":
+        model = fsdp2(model)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    return model, optim
+
+
+def train(model, optim, steps: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        loss = model(torch.randn(4, 13, generator=g)).pow(2).mean()
+        optim.zero_grad()
+        loss.backward()
+        optim.step()
+
+
+def full_state(model, optim):
+    """Model and optimizer state as FSDP/DCP's full state dict gives it: name -> full tensor."""
+    msd, osd = get_state_dict(model, optim, options=StateDictOptions(full_state_dict=True))
+    out = {f"model/{k}": _full(v) for k, v in msd.items()}
+    for fqn, st in osd["state"].items():
+        for k, v in st.items():
+            out[f"optim/{fqn}/{k}"] = _full(v)
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in osd["param_groups"]]
+    return out, groups
+
+
+def _full(v):
+    v = v.full_tensor() if isinstance(v, DTensor) else v
+    return v.detach().clone() if isinstance(v, torch.Tensor) else torch.tensor(v)
+
+
+def save_all(root: str):
+    """2 ranks: train, save each case, write FSDP's full state dict of the saving run as reference."""
+    rank, _ = rank_world()
+    for name, (route, orig) in CASES.items():
+        os.environ["BCP_FSDP1_ROUTE"] = route
+        model, optim = build("fsdp1", orig)
+        train(model, optim, 3, seed=rank)
+        path = os.path.join(root, name)
+        bcp.save(path, {"model": model, "optim": optim, "step": 3})
+        ref = full_state(model, optim)
+        if rank == 0:
+            torch.save(ref, os.path.join(root, name + ".ref.pt"))
+            info = bcp.inspect(path)
+            keys = {t.name for t in info.tensors}
+            assert "model/scale" in keys and "model/scratch" not in keys, sorted(keys)
+            assert "model/blocks.0.up.weight" in keys and "optim/state/out.bias/exp_avg" in keys, sorted(keys)
+            logical = sum(t.nbytes for t in info.tensors)
+            written = sum(info.info["bytes_per_rank"])
+            # every byte written once, and neither rank writes much more than half
+            assert written == logical, (name, written, logical)
+            assert max(info.info["bytes_per_rank"]) <= 0.6 * logical, info.info["bytes_per_rank"]
+    os.environ.pop("BCP_FSDP1_ROUTE")
+    print(f"rank {rank}: fsdp1 saves ok")
+
+
+def load_all(root: str, kind: str):
+    """Load every case into `kind` (fsdp1 at any world size, fsdp2, plain) and compare bit for bit."""
+    rank, world = rank_world()
+    if kind != "plain" and not dist.is_initialized():
+        dist.init_process_group("gloo")
+    for i, name in enumerate(CASES):
+        # FSDP1 targets alternate use_orig_params so that each checkpoint loads into the other flavour
+        orig = bool(i % 2)
+        os.environ["BCP_FSDP1_ROUTE"] = CASES[name][0]  # FSDP1 targets load through the route that saved
+        model, optim = build(kind, orig, seed=1234)  # different initial values than the saved ones
+        state = bcp.load(os.path.join(root, name), {"model": model, "optim": optim, "step": 0})
+        os.environ.pop("BCP_FSDP1_ROUTE")
+        assert state["step"] == 3
+        ref, ref_groups = torch.load(os.path.join(root, name + ".ref.pt"))
+        got, groups = full_state(model, optim)
+        assert set(got) == set(ref), (name, sorted(set(got) ^ set(ref)))
+        for k in ref:
+            assert got[k].dtype == ref[k].dtype and torch.equal(got[k], ref[k]), (name, k, got[k], ref[k])
+        assert groups == ref_groups, (groups, ref_groups)
+        train(model, optim, 1, seed=99)  # training continues from the loaded state
+        print(f"rank {rank}: {name} -> {kind} x{world} (use_orig_params={orig}) ok")
