@@ -13,9 +13,9 @@ module that is or contains FSDP1 modules here, and this module picks the route:
 - "sharded_tensor" (fallback). The values FSDP1's SHARDED_STATE_DICT and sharded optimizer state
   dict produce (through torch.distributed.checkpoint.state_dict): ShardedTensor local shards
   become regions. FSDP all-gathers every flat parameter (and its optimizer state) and copies out
-  row chunks before anything is written, and all-gathers again on load. Used where the flat route
-  cannot run (tied parameters flattened once, non-contiguous original parameters), or when asked
-  for with BCP_FSDP1_ROUTE=sharded_tensor. docs/sharded.md has the measurements.
+  row chunks before anything is written, and all-gathers again on load. Kept, selected with
+  BCP_FSDP1_ROUTE=sharded_tensor, for a torch version whose FSDP1 internals the flat route does not
+  know (torch_compat.py then fails saying so) and as the measured alternative. docs/sharded.md has the measurements.
 
 Both routes produce the same keys as DCP's get_state_dict on any other layout, so a checkpoint
 saved from FSDP1 loads into FSDP1 at another world size, FSDP2, DDP or a plain model, and back.
@@ -75,11 +75,12 @@ class ParamPart:
 class FlatLayout:
     params: Dict[str, ParamPart] = field(default_factory=dict)          # fqn -> part, in flat order
     by_flat_param: Dict[int, List[str]] = field(default_factory=dict)   # id(FlatParameter) -> fqns
+    aliases: Dict[str, str] = field(default_factory=dict)               # tied weight name -> primary fqn
     groups: List[Any] = field(default_factory=list)                     # distinct FSDP process groups
 
 
-def flat_layout(model: nn.Module) -> Tuple[Optional[FlatLayout], str]:
-    """The model's flat layout, or (None, why the flat route cannot serve this model)."""
+def flat_layout(model: nn.Module) -> FlatLayout:
+    """Where each FSDP-managed original parameter lies in this rank's flat shards."""
     layout = FlatLayout()
     for name, module in model.named_modules():
         if not isinstance(module, _FSDP):
@@ -88,14 +89,16 @@ def flat_layout(model: nn.Module) -> Tuple[Optional[FlatLayout], str]:
         if handle is None:
             continue
         info = torch_compat.flat_param_info(handle)
-        if info.has_shared_params:
-            return None, f"FSDP module {name or '<root>'!r} flattens tied (shared) parameters"
         fqns = []
         for rel, shape, contiguous, shard in zip(info.fqns, info.shapes, info.contiguous, info.shards):
             fqn = torch_compat.clean_fqn(f"{name}.{rel}" if name else rel)
             fqns.append(fqn)
             if not contiguous:
-                return None, f"parameter {fqn!r} is not contiguous (FSDP flattens it in storage order)"
+                raise CheckpointError(
+                    f"parameter {fqn!r} was not contiguous when FSDP1 flattened it, so its flat shard holds it in "
+                    f"storage order, which neither bytecheckpoint nor FSDP's own sharded state dict can describe. "
+                    f"Make it contiguous before wrapping (module.weight = nn.Parameter(weight.contiguous())). "
+                    f"Nothing was written")
             if not info.local_now:
                 raise CheckpointError(
                     f"parameter {fqn!r}: its FSDP1 flat parameter is unsharded right now (inside forward/backward, "
@@ -103,31 +106,28 @@ def flat_layout(model: nn.Module) -> Tuple[Optional[FlatLayout], str]:
             layout.params[fqn] = ParamPart(fqn, shape, info.flat_param, shard.offset_in_shard, shard.numel_in_shard,
                                            shard.intra_param_start)
         layout.by_flat_param[id(info.flat_param)] = fqns
+        for alias, primary in info.aliases:
+            layout.aliases[torch_compat.clean_fqn(f"{name}.{alias}" if name else alias)] = \
+                torch_compat.clean_fqn(f"{name}.{primary}" if name else primary)
         group = getattr(module, "process_group", None)
         if all(group is not g for g in layout.groups):
             layout.groups.append(group)
-    if len(layout.groups) > 1:
-        return None, "its FSDP modules shard over different process groups"
-    return layout, ""
+    return layout
 
 
 def route_for(model: nn.Module) -> Tuple[str, Optional[FlatLayout]]:
     route = default_route()
-    if route != "flat":
-        return route, None
-    layout, why = flat_layout(model)
-    if layout is None:
-        log.warning("bytecheckpoint: FSDP1 model saved through its sharded state dict (slower): %s", why)
-        return "sharded_tensor", None
-    return "flat", layout
+    return (route, flat_layout(model)) if route == "flat" else (route, None)
 
 
 # ------------------------------------------------------------------ model
 
 def model_state(model: nn.Module, layout: FlatLayout) -> Dict[str, Any]:
     """key -> FlatShard (FSDP-managed parameters), tensor (other parameters, persistent buffers) or
-    extra state; the same keys as the model's state_dict() without FSDP."""
+    extra state; the same keys as the model's state_dict() without FSDP (a tied weight under each name)."""
     sd: Dict[str, Any] = {fqn: part.cut(part.flat_param) for fqn, part in layout.params.items()}
+    for alias, primary in layout.aliases.items():  # a tied weight is stored under each of its names
+        sd[alias] = layout.params[primary].cut(layout.params[primary].flat_param)
     for name, p in model.named_parameters():
         fqn = torch_compat.clean_fqn(name)
         if id(p) not in layout.by_flat_param and fqn not in layout.params:  # not managed by FSDP (ignored)
@@ -265,9 +265,10 @@ def _fill_lacking(state: Dict[str, Dict[str, Any]], lacking: List[Tuple[str, Par
                   problems: List[str]) -> None:
     """use_orig_params=True: a rank holding none of a parameter has no optimizer state for it, but every
     rank must describe the same keys. Learn their names/dtypes from the peers that hold the state
-    (one small all-gather over the FSDP process group; errors travel with it so no rank waits)."""
+    (one small all-gather over each FSDP process group; errors travel with it so no rank waits)."""
     schema = {fqn: {n: _kind(v) for n, v in st.items()} for fqn, st in state.items() if fqn in layout.params}
-    gathered = Comm(layout.groups[0] if layout.groups else None).all_gather((schema, problems[:1]))
+    gathered = [peer for group in layout.groups or [None]
+                for peer in Comm(group).all_gather((schema, problems[:1]))]
     errors = [e for _, errs in gathered for e in errs]
     if errors:
         raise CheckpointError(errors[0])

@@ -69,7 +69,7 @@ class FlatParamInfo(NamedTuple):
     shapes: Tuple[Tuple[int, ...], ...]
     contiguous: Tuple[bool, ...]      # False: the flat data is in storage order, not row-major
     shards: Tuple[ShardParamInfo, ...]
-    has_shared_params: bool           # tied weights flattened once with aliases
+    aliases: Tuple[Tuple[str, str], ...]  # tied weights, flattened once: (alias fqn, primary fqn), relative
     local_now: bool                   # False inside forward/backward, while the parameter is unsharded
 
 
@@ -93,13 +93,22 @@ def flat_param_info(handle: Any) -> FlatParamInfo:
     if not (len(fqns) == len(shapes) == len(contiguous) == len(shards)):
         raise _missing(f"consistent {what} ({len(fqns)} names, {len(shapes)} shapes, {len(shards)} shard infos)",
                        _FSDP1_FIX)
-    shared = bool(_attr(fp, "_shared_param_infos", what, _FSDP1_FIX))
+    aliases = []
+    for info in _attr(fp, "_shared_param_infos", what, _FSDP1_FIX):
+        try:
+            aliases.append((_join(info.module_name, info.param_name), _join(info.prim_module_name, info.prim_param_name)))
+        except AttributeError as exc:
+            raise _missing(f"{what} (SharedParamInfo.{exc.name})", _FSDP1_FIX) from None
     uses_sharding = bool(_attr(handle, "uses_sharded_strategy", "FSDP1 FlatParamHandle.uses_sharded_strategy",
                                _FSDP1_FIX))
     # NO_SHARD keeps the whole flat parameter at all times; sharded strategies hold the local shard
     # only between forward/backward passes.
     local_now = not uses_sharding or tuple(fp.shape) == tuple(_attr(fp, "_sharded_size", what, _FSDP1_FIX))
-    return FlatParamInfo(fp, fqns, shapes, contiguous, tuple(shards), shared, local_now)
+    return FlatParamInfo(fp, fqns, shapes, contiguous, tuple(shards), tuple(aliases), local_now)
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
 
 
 def clean_fqn(name: str) -> str:
