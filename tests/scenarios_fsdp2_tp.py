@@ -46,12 +46,16 @@ class Net(nn.Module):
         return self.out(x)
 
 
+HSDP = ("hsdp", "fsdp1_hsdp")
+
+
 def rank_world():
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
 def build(kind: str, seed: int = 0):
-    """kind: 'fsdp_tp' (2x2 dp x tp), 'hsdp' (2x2 replicate x shard), 'fsdp' (1-D), 'plain'."""
+    """kind: 'fsdp_tp' (2x2 dp x tp), 'hsdp' (FSDP2, 2x2 replicate x shard), 'fsdp1_hsdp' (FSDP1
+    HYBRID_SHARD on the same mesh), 'fsdp' (FSDP2, 1-D), 'plain'."""
     torch.manual_seed(seed)
     model = Net()
     world = rank_world()[1]
@@ -65,7 +69,14 @@ def build(kind: str, seed: int = 0):
         shard_mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
     elif kind == "fsdp":
         shard_mesh = init_device_mesh("cpu", (world,))
-    if kind != "plain":
+    elif kind == "fsdp1_hsdp":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp import ShardingStrategy
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+        model = FSDP(model, device_mesh=mesh, sharding_strategy=ShardingStrategy.HYBRID_SHARD,
+                     auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu"), use_orig_params=True)
+    if kind not in ("plain", "fsdp1_hsdp"):
         for b in model.blocks:
             fully_shard(b, mesh=shard_mesh)
         fully_shard(model, mesh=shard_mesh)
@@ -119,14 +130,16 @@ def save_all(root: str):
         torch.save(ref, os.path.join(root, "tp.ref.pt"))
         _check_written_once(os.path.join(root, "tp"), world)
 
-    # 2. HSDP (Replicate x Shard): replicated shards are written once, spread over the replicas
-    model, optim = build("hsdp")
-    train(model, optim, 2, seed=rank % 2)  # replicas of a shard see the same batches
-    bcp.save(os.path.join(root, "hsdp"), {"model": model, "optim": optim})
-    ref = full_state(model, optim)
-    if rank == 0:
-        torch.save(ref, os.path.join(root, "hsdp.ref.pt"))
-        _check_written_once(os.path.join(root, "hsdp"), world)
+    # 2. HSDP (Replicate x Shard), FSDP2 and FSDP1: replicated shards are written once, spread over
+    #    the replicas
+    for name in HSDP:
+        model, optim = build(name)
+        train(model, optim, 2, seed=0)  # replicas of a shard must see the same batches: all do here
+        bcp.save(os.path.join(root, name), {"model": model, "optim": optim})
+        ref = full_state(model, optim)
+        if rank == 0:
+            torch.save(ref, os.path.join(root, name + ".ref.pt"))
+            _check_written_once(os.path.join(root, name), world)
 
     # 3. a Partial placement is refused on every rank before anything is written
     mesh = init_device_mesh("cpu", (world,))
@@ -160,7 +173,7 @@ def load_all(root: str, kind: str):
     rank, world = rank_world()
     if kind != "plain" and not dist.is_initialized():
         dist.init_process_group("gloo")
-    for name in ("tp", "hsdp"):
+    for name in ("tp",) + HSDP:
         model, optim = build(kind, seed=1234)
         state = {"model": model, "optim": optim}
         if name == "tp":
