@@ -60,11 +60,12 @@ def rank_world():
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
-def fsdp1(model: nn.Module, use_orig_params: bool) -> nn.Module:
+def fsdp1(model: nn.Module, use_orig_params: bool, strategy: str = "FULL_SHARD") -> nn.Module:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import ShardingStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
     return FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu"),
-                use_orig_params=use_orig_params)
+                use_orig_params=use_orig_params, sharding_strategy=getattr(ShardingStrategy, strategy))
 
 
 def fsdp2(model: nn.Module) -> nn.Module:
@@ -136,8 +137,27 @@ def save_all(root: str):
             assert written == logical, (name, written, logical)
             assert max(info.info["bytes_per_rank"]) <= 0.6 * logical, info.info["bytes_per_rank"]
     os.environ.pop("BCP_FSDP1_ROUTE")
+    for strategy, orig in (("NO_SHARD", True), ("SHARD_GRAD_OP", False)):
+        strategy_roundtrip(os.path.join(root, strategy), strategy, orig)
     refuse_storage_order(os.path.join(root, "refused"))
     print(f"rank {rank}: fsdp1 saves ok")
+
+
+def strategy_roundtrip(path: str, strategy: str, orig: bool):
+    """Other sharding strategies: save and load back on the same ranks, bit-exact."""
+    rank, _ = rank_world()
+    torch.manual_seed(0)
+    model = fsdp1(Net(), orig, strategy)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train(model, optim, 2, seed=rank)
+    bcp.save(path, {"model": model, "optim": optim})
+    ref, _ = full_state(model, optim)
+    torch.manual_seed(5)
+    model = fsdp1(Net(), orig, strategy)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    bcp.load(path, {"model": model, "optim": optim})
+    got, _ = full_state(model, optim)
+    assert set(got) == set(ref) and all(torch.equal(got[k], ref[k]) for k in ref), strategy
 
 
 class Transposed(nn.Module):
