@@ -322,6 +322,23 @@ class ModuleHandler(Handler):
         walk.flat.finalizers.append(lambda: value.load_state_dict(sd))
 
 
+try:
+    from torch.nn.parallel import DistributedDataParallel
+except ImportError:  # pragma: no cover - torch built without distributed
+    DistributedDataParallel = None
+if DistributedDataParallel is not None:
+    @register(DistributedDataParallel)
+    class DDPHandler(Handler):
+        """The wrapped module, without DDP's 'module.' prefix (as DCP's state_dict API names it), so
+        a DDP checkpoint and any other layout's have the same keys."""
+
+        def save(self, value, key, walk):
+            return walk.save(value.module, key)
+
+        def load(self, value, key, walk, assign):
+            walk.load(value.module, key, lambda v: None)
+
+
 @register(torch.optim.Optimizer)
 class OptimizerHandler(Handler):
     """Keyed by parameter name (via the module in the same state that owns the parameters), so

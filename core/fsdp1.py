@@ -137,8 +137,8 @@ def model_state(model: nn.Module, layout: FlatLayout) -> Dict[str, Any]:
         for bname, buf in module.named_buffers(recurse=False):
             if bname not in skip:
                 sd[torch_compat.clean_fqn(f"{mname}.{bname}" if mname else bname)] = buf
-        if type(module).get_extra_state is not nn.Module.get_extra_state:
-            sd[torch_compat.clean_fqn(f"{mname}._extra_state" if mname else "_extra_state")] = module.get_extra_state()
+    for module, key in _extra_state_keys(model):
+        sd[key] = module.get_extra_state()
     return sd
 
 
@@ -166,6 +166,7 @@ def load_module(model: nn.Module, key: str, walk: Any) -> None:
 
 
 def _extra_state_keys(model: nn.Module):
+    """(module, key) of every module that keeps extra state (get_extra_state overridden)."""
     for mname, module in model.named_modules():
         if type(module).get_extra_state is not nn.Module.get_extra_state:
             yield module, torch_compat.clean_fqn(f"{mname}._extra_state" if mname else "_extra_state")

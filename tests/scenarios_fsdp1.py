@@ -85,6 +85,8 @@ def build(kind: str, use_orig_params: bool = True, seed: int = 0):
         model = fsdp1(model, use_orig_params)
     elif kind == "fsdp2":
         model = fsdp2(model)
+    elif kind == "ddp":
+        model = nn.parallel.DistributedDataParallel(model)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     return model, optim
 
@@ -187,11 +189,15 @@ def refuse_storage_order(path: str):
     assert not os.path.exists(path) or not any(fs for _, _, fs in os.walk(path))
 
 
-def load_all(root: str, kind: str):
-    """Load every case into `kind` (fsdp1 at any world size, fsdp2, plain) and compare bit for bit."""
+def load_all(root: str, kinds: str):
+    """Load every case into each of `kinds` (comma-separated: fsdp1 at any world size, fsdp2, ddp,
+    plain) and compare bit for bit."""
+    for kind in kinds.split(","):
+        load_into(root, kind)
+
+
+def load_into(root: str, kind: str):
     rank, world = rank_world()
-    if kind != "plain" and not dist.is_initialized():
-        dist.init_process_group("gloo")
     for i, name in enumerate(CASES):
         # FSDP1 targets alternate use_orig_params so that each checkpoint loads into the other flavour
         orig = bool(i % 2)
