@@ -348,7 +348,7 @@ class OptimizerHandler(Handler):
         model = _owner_module(value, walk.param_owner)
         if model is None:
             return _STATEFUL.save(value, key, walk)
-        if fsdp1.holds_fsdp1(model):
+        if fsdp1.uses_flat_route(model):
             return fsdp1.save_optimizer(value, model, key, walk)
         return walk.save(_named_optimizer_state(model, value), key)
 
@@ -356,7 +356,7 @@ class OptimizerHandler(Handler):
         model = _owner_module(value, walk.param_owner)
         if model is None:
             return _STATEFUL.load(value, key, walk, assign)
-        if fsdp1.holds_fsdp1(model):
+        if fsdp1.uses_flat_route(model):
             return fsdp1.load_optimizer(value, model, key, walk)
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
         # A state dict of plain values only is loaded whole (assign); otherwise in place.

@@ -1,7 +1,8 @@
 """FSDP1 (FullyShardedDataParallel) models and their optimizers, keyed like every other layout.
 
 Users pass the model and the optimizer; ModuleHandler / OptimizerHandler (flatten.py) send any
-module that is or contains FSDP1 modules here, and this module picks the route:
+module that is or contains FSDP1 modules (and, on the flat route, its optimizer) here. The route
+is BCP_FSDP1_ROUTE (default "flat"):
 
 - "flat" (default, the paper's route). Each rank's FlatParameter shard is cut into per-original-
   parameter `FlatShard`s (elements [start, stop) of the flattened original parameter), from FSDP's
@@ -11,11 +12,13 @@ module that is or contains FSDP1 modules here, and this module picks the route:
   (use_orig_params=False: of the FlatParameter; True: of the original parameter's local part) and
   is cut the same way; scalar state (step) is stored per original parameter, like DCP does.
 - "sharded_tensor" (fallback). The values FSDP1's SHARDED_STATE_DICT and sharded optimizer state
-  dict produce (through torch.distributed.checkpoint.state_dict): ShardedTensor local shards
-  become regions. FSDP all-gathers every flat parameter (and its optimizer state) and copies out
-  row chunks before anything is written, and all-gathers again on load. Kept, selected with
+  dict produce (get_model_state_dict here; the optimizer takes OptimizerHandler's generic path,
+  whose get_optimizer_state_dict gives FSDP's sharded optimizer state dict): ShardedTensor local
+  shards become regions. FSDP all-gathers every flat parameter (and its optimizer state) and copies
+  out row chunks before anything is written, and all-gathers again on load. Kept, selected with
   BCP_FSDP1_ROUTE=sharded_tensor, for a torch version whose FSDP1 internals the flat route does not
-  know (torch_compat.py then fails saying so) and as the measured alternative. docs/sharded.md has the measurements.
+  know (torch_compat.py then fails saying so) and as the measured alternative. docs/sharded.md has
+  the measurements.
 
 Both routes produce the same keys as DCP's get_state_dict on any other layout, so a checkpoint
 saved from FSDP1 loads into FSDP1 at another world size, FSDP2, DDP or a plain model, and back.
@@ -52,6 +55,12 @@ def holds_fsdp1(module: Optional[nn.Module]) -> bool:
     if _FSDP is None or module is None:
         return False
     return isinstance(module, _FSDP) or any(isinstance(m, _FSDP) for m in module.modules())
+
+
+def uses_flat_route(module: Optional[nn.Module]) -> bool:
+    """FSDP1 through the flat route. (On the ShardedTensor route an FSDP1 model's optimizer goes
+    through the generic DCP-named path, which gives FSDP's sharded optimizer state dict.)"""
+    return holds_fsdp1(module) and default_route() == "flat"
 
 
 # ------------------------------------------------------------------ the flat layout of a model
@@ -175,26 +184,22 @@ def _extra_state_keys(model: nn.Module):
 # ------------------------------------------------------------------ optimizer
 
 def save_optimizer(optim: torch.optim.Optimizer, model: nn.Module, key: str, walk: Any) -> Any:
-    route, layout = route_for(model)
-    if route == "sharded_tensor":
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-        return walk.save(get_optimizer_state_dict(model, optim), key)
-    return walk.save(optimizer_state(optim, model, layout, for_load=False), key)
+    return walk.save(optimizer_state(optim, model, flat_layout(model), for_load=False), key)
 
 
 def load_optimizer(optim: torch.optim.Optimizer, model: nn.Module, key: str, walk: Any) -> None:
-    route, layout = route_for(model)
-    if route == "sharded_tensor":
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-        osd = get_optimizer_state_dict(model, optim)
-        walk.load(osd, key, lambda v: None)
-        walk.flat.finalizers.append(lambda: set_optimizer_state_dict(model, optim, osd))
+    from .flatten import _load_groups_only, _saved_without_state
+    layout = flat_layout(model)
+    if _saved_without_state(walk.saved, key):  # saved before its first step: groups only, no state
+        loaded = {"osd": {"state": {}, "param_groups": optimizer_state(optim, model, layout, True)["param_groups"]}}
+        walk.load(loaded["osd"], key, lambda v: loaded.__setitem__("osd", v))
+        walk.flat.finalizers.append(lambda: _load_groups_only(optim, loaded["osd"]))
         return
     ensure_state(optim)  # loading needs state tensors to read into
     osd = optimizer_state(optim, model, layout, for_load=True)
     walk.load(osd, key, lambda v: None)
-    walk.flat.finalizers.append(lambda: apply_param_groups(optim, osd["param_groups"], layout_fqns(optim, model,
-                                                                                                   layout)))
+    walk.flat.finalizers.append(lambda: apply_param_groups(optim, osd["param_groups"],
+                                                           layout_fqns(optim, model, layout)))
 
 
 def layout_fqns(optim: torch.optim.Optimizer, model: nn.Module, layout: FlatLayout) -> List[List[str]]:

@@ -141,8 +141,29 @@ def save_all(root: str):
     os.environ.pop("BCP_FSDP1_ROUTE")
     for strategy, orig in (("NO_SHARD", True), ("SHARD_GRAD_OP", False)):
         strategy_roundtrip(os.path.join(root, strategy), strategy, orig)
+    fresh_optimizer_roundtrip(os.path.join(root, "fresh"))
     refuse_storage_order(os.path.join(root, "refused"))
     print(f"rank {rank}: fsdp1 saves ok")
+
+
+def fresh_optimizer_roundtrip(path: str):
+    """An optimizer before its first step is saved without state and stays so (a checkpoint must not
+    change training); loading it gives an optimizer without state and the saved hyperparameters."""
+    torch.manual_seed(0)
+    model = fsdp1(Net(), use_orig_params=True)
+    optim = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    bcp.save(path, {"model": model, "optim": optim})
+    assert not optim.state
+    ref = {k: v.full_tensor() if isinstance(v, DTensor) else v.clone()
+           for k, v in get_state_dict(model, optim, options=StateDictOptions(full_state_dict=True))[0].items()}
+    torch.manual_seed(5)
+    model = fsdp1(Net(), use_orig_params=True)
+    optim = torch.optim.AdamW(model.parameters(), lr=1.0)
+    train(model, optim, 1, seed=0)
+    bcp.load(path, {"model": model, "optim": optim})
+    assert not optim.state and optim.param_groups[0]["lr"] == 3e-3
+    got = get_state_dict(model, optim, options=StateDictOptions(full_state_dict=True))[0]
+    assert set(got) == set(ref) and all(torch.equal(got[k], ref[k]) for k in ref)
 
 
 def strategy_roundtrip(path: str, strategy: str, orig: bool):
