@@ -17,17 +17,10 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Type
 import torch
 from torch import nn
 
-from . import codec
+from . import codec, fsdp1
 from .errors import CheckpointError, StateMismatchError
 from .regions import flat_range_to_boxes
 from .shards import FlatShard, Shard
-
-from . import dist_tensors, fsdp1, torch_compat
-
-try:  # DTensor is optional at import time (torch builds without distributed)
-    from torch.distributed.tensor import DTensor
-except ImportError:  # pragma: no cover
-    DTensor = None
 
 
 @dataclass
@@ -269,37 +262,6 @@ class FlatShardHandler(Handler):
         self.save(value, key, walk)
 
 
-if DTensor is not None:
-    @register(DTensor)
-    class DTensorHandler(Handler):
-        def save(self, value, key, walk):
-            walk.add_tensor(_dtensor_entry(key, value))
-            return {"tensor": key}
-
-        def load(self, value, key, walk, assign):
-            walk.add_tensor(_dtensor_entry(key, value))
-
-    def _dtensor_entry(key: str, dt: "DTensor") -> TensorEntry:
-        shape, layout, pieces = dist_tensors.dtensor_pieces(key, dt)
-        return _entry(key, dt, shape, layout, pieces)
-
-
-_SHARDED_TENSOR = torch_compat.sharded_tensor_class()
-if _SHARDED_TENSOR is not None:
-    @register(_SHARDED_TENSOR)
-    class ShardedTensorHandler(Handler):
-        """FSDP1's SHARDED_STATE_DICT values: each local shard is a box (loaded in place)."""
-
-        def save(self, value, key, walk):
-            shape, dtype, layout, pieces = dist_tensors.sharded_tensor_pieces(key, value)
-            walk.add_tensor(TensorEntry(key, dtype, shape, layout, [
-                Piece(tuple(offs), tuple(t.shape), t) for offs, t in pieces]))
-            return {"tensor": key}
-
-        def load(self, value, key, walk, assign):
-            self.save(value, key, walk)
-
-
 def _entry(key: str, like: torch.Tensor, shape, layout: str, pieces) -> TensorEntry:
     return TensorEntry(key, like.dtype, tuple(int(s) for s in shape), layout,
                        [Piece(tuple(int(o) for o in offs), tuple(t.shape), t) for offs, t in pieces])
@@ -320,23 +282,6 @@ class ModuleHandler(Handler):
         sd = value.state_dict()
         walk.load(sd, key, lambda v: None)
         walk.flat.finalizers.append(lambda: value.load_state_dict(sd))
-
-
-try:
-    from torch.nn.parallel import DistributedDataParallel
-except ImportError:  # pragma: no cover - torch built without distributed
-    DistributedDataParallel = None
-if DistributedDataParallel is not None:
-    @register(DistributedDataParallel)
-    class DDPHandler(Handler):
-        """The wrapped module, without DDP's 'module.' prefix (as DCP's state_dict API names it), so
-        a DDP checkpoint and any other layout's have the same keys."""
-
-        def save(self, value, key, walk):
-            return walk.save(value.module, key)
-
-        def load(self, value, key, walk, assign):
-            walk.load(value.module, key, lambda v: None)
 
 
 @register(torch.optim.Optimizer)
@@ -519,3 +464,6 @@ def find_subtree(node: Any, prefix: str, key: str = "") -> Any:
         if prefix == child_key or prefix.startswith(child_key + "/"):
             return find_subtree(child, prefix, child_key)
     return None
+
+
+from . import dist_handlers  # noqa: E402,F401 - registers the DTensor, ShardedTensor and DDP handlers
