@@ -126,6 +126,16 @@ def save_all(root: str):
         path = os.path.join(root, name)
         bcp.save(path, {"model": model, "optim": optim, "step": 3})
         ref = full_state(model, optim)
+        # the structure (from rank 0) names every key, also state rank 0 holds none of
+        tree = bcp.load_full(path)
+        for k, v in ref[0].items():
+            kind, rest = k.split("/", 1)
+            if kind == "model":
+                got = tree["model"][rest]
+            else:
+                fqn, stat = rest.rsplit("/", 1)
+                got = tree["optim"]["state"][fqn][stat]
+            assert torch.equal(got, v), (name, k)
         if rank == 0:
             torch.save(ref, os.path.join(root, name + ".ref.pt"))
             info = bcp.inspect(path)
