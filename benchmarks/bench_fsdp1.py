@@ -1,6 +1,6 @@
 """FSDP1 (FullyShardedDataParallel) checkpoints: bytecheckpoint's two routes vs DCP, 2 gloo ranks.
 
-    python benchmarks/bench_fsdp1.py [--mib 384] [--reps 3] [--use-orig-params 1] [--dir /tmp/bcp-bench-fsdp1]
+    python benchmarks/bench_fsdp1.py [--quick] [--mib 384] [--reps 3] [--use-orig-params 1|0|both]
 
 A stack of 2048-wide Linear layers, each its own FSDP1 unit, + AdamW state (params + 2 moments =
 `--mib`). Compared, interleaved in every repetition (medians reported):
@@ -8,7 +8,8 @@ A stack of 2048-wide Linear layers, each its own FSDP1 unit, + AdamW state (para
                       flat shard (no all-gather)
 - bcp sharded_tensor: bytecheckpoint through FSDP1's sharded state dict (ShardedTensor)
 - dcp:                dcp.save / dcp.load of torch.distributed.checkpoint.state_dict.get_state_dict
-Every load starts from zeroed parameters and optimizer state and is checked bit-exact.
+Every load starts from zeroed parameters and optimizer state and is checked bit-exact. Prints a
+table per use_orig_params and FIGURE lines (benchmarks/figures.py) for run_all.py.
 """
 from __future__ import annotations
 
@@ -127,37 +128,49 @@ def ranks_main(root: str, mib: int, reps: int, use_orig_params: bool):
 # ------------------------------------------------------------------ driver
 
 def main(argv=None) -> int:
+    from figures import figure
     from launcher import run_ranks
     ap = argparse.ArgumentParser()
     ap.add_argument("--mib", type=int, default=384)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--use-orig-params", type=int, default=1)
+    ap.add_argument("--use-orig-params", choices=("1", "0", "both"), default="both")
+    ap.add_argument("--quick", action="store_true", help="96 MiB, 2 repetitions (also BCP_BENCH_QUICK=1)")
     ap.add_argument("--dir", default="/tmp/bcp-bench-fsdp1")
     ap.add_argument("--out", default=os.path.join(HERE, "out", "fsdp1.md"))
     args = ap.parse_args(argv)
-    shutil.rmtree(args.dir, ignore_errors=True)
-    os.makedirs(args.dir)
-    outs = run_ranks("bench_fsdp1:ranks_main", 2, {"root": args.dir, "mib": args.mib, "reps": args.reps,
-                                                   "use_orig_params": bool(args.use_orig_params)},
-                     timeout=300 + 120 * args.reps * max(1, args.mib // 256), extra_env={"PYTHONPATH": HERE})
-    run = next(json.loads(line[6:]) for o in outs for line in o.splitlines() if line.startswith("BENCH "))
-    r = {k: statistics.median(v) for k, v in run["results"].items()}
-    mib = run["total_bytes"] / 2**20
-    lines = [f"FSDP1 (use_orig_params={bool(args.use_orig_params)}), 2 gloo ranks, {mib:.0f} MiB of model + AdamW "
-             f"state (2048-wide Linear layers, one FSDP unit each); {args.reps} interleaved repetitions, medians; "
-             f"every load restores zeroed state and is checked bit-exact.", "",
-             "| operation | bcp flat (s) | bcp sharded_tensor (s) | DCP (s) | flat / DCP | sharded_tensor / DCP |",
-             "|---|---|---|---|---|---|"]
-    for op, what in (("save", "sync save"), ("load", "load (2 -> 2)")):
-        f, s, d = r[f"bcp_flat_{op}"], r[f"bcp_sharded_tensor_{op}"], r[f"dcp_{op}"]
-        lines.append(f"| {what} | {f:.3f} | {s:.3f} | {d:.3f} | {f / d:.2f} | {s / d:.2f} |")
+    if args.quick or os.environ.get("BCP_BENCH_QUICK") == "1":
+        args.mib, args.reps = 96, 2
+    variants = (True, False) if args.use_orig_params == "both" else (args.use_orig_params == "1",)
+    lines, runs = [], {}
+    for orig in variants:
+        shutil.rmtree(args.dir, ignore_errors=True)
+        os.makedirs(args.dir)
+        outs = run_ranks("bench_fsdp1:ranks_main", 2, {"root": args.dir, "mib": args.mib, "reps": args.reps,
+                                                       "use_orig_params": orig},
+                         timeout=300 + 120 * args.reps * max(1, args.mib // 256), extra_env={"PYTHONPATH": HERE})
+        run = next(json.loads(line[6:]) for o in outs for line in o.splitlines() if line.startswith("BENCH "))
+        runs[f"use_orig_params={orig}"] = run
+        r = {k: statistics.median(v) for k, v in run["results"].items()}
+        mib = run["total_bytes"] / 2**20
+        lines += [f"FSDP1 (use_orig_params={orig}), 2 gloo ranks, {mib:.0f} MiB of model + AdamW state (2048-wide "
+                  f"Linear layers, one FSDP unit each); {args.reps} interleaved repetitions, medians; every load "
+                  f"restores zeroed state and is checked bit-exact; load average {os.getloadavg()[0]:.1f}.", "",
+                  "| operation | bcp flat (s) | bcp sharded_tensor (s) | DCP (s) | flat / DCP | sharded_tensor / DCP |",
+                  "|---|---|---|---|---|---|"]
+        for op, what, target in (("save", "sync save", "<= 0.8"), ("load", "load (2 -> 2)", "<= 0.9")):
+            f, s, d = r[f"bcp_flat_{op}"], r[f"bcp_sharded_tensor_{op}"], r[f"dcp_{op}"]
+            lines.append(f"| {what} | {f:.3f} | {s:.3f} | {d:.3f} | {f / d:.2f} | {s / d:.2f} |")
+            peer = "dcp.save" if op == "save" else "dcp.load + set_state_dict"
+            figure(f"FSDP1 {what}, flat route (default), use_orig_params={orig}", f, d, target, peer_name=peer)
+            figure(f"FSDP1 {what}, ShardedTensor route, use_orig_params={orig}", s, d, peer_name=peer)
+        lines.append("")
     text = "\n".join(lines)
     print(text)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         f.write(text + "\n")
     with open(args.out.replace(".md", ".json"), "w") as f:
-        json.dump(run, f, indent=1)
+        json.dump(runs, f, indent=1)
     shutil.rmtree(args.dir, ignore_errors=True)
     return 0
 
