@@ -61,8 +61,8 @@ def _local_tensors(model, optim):
 def _save(method, path, model, optim):
     import bytecheckpoint as bcp
     if method.startswith("bcp_"):
-        os.environ["BCP_FSDP1_ROUTE"] = method[4:]
-        bcp.save(path, {"model": model, "optim": optim})
+        with bcp.Checkpointer(fsdp1_route=method[4:]) as ckpt:
+            ckpt.save(path, {"model": model, "optim": optim})
         return
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -73,8 +73,8 @@ def _save(method, path, model, optim):
 def _load(method, path, model, optim):
     import bytecheckpoint as bcp
     if method.startswith("bcp_"):
-        os.environ["BCP_FSDP1_ROUTE"] = method[4:]
-        bcp.load(path, {"model": model, "optim": optim})
+        with bcp.Checkpointer(fsdp1_route=method[4:]) as ckpt:
+            ckpt.load(path, {"model": model, "optim": optim})
         return
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict

@@ -62,12 +62,13 @@ class Checkpointer:
     def __init__(self, *, storage_options: Optional[Mapping[str, Any]] = None, async_save: bool = False,
                  process_group: Any = None, staging_slots: int = 2, io_threads: Optional[int] = None,
                  zero_redundancy: Any = "auto", timeout_s: float = 600, dead_peer_s: float = 30,
-                 io_concurrency: int = 32, local_io: str = "posix", local_tier: Optional[LocalTier] = None,
+                 io_concurrency: int = 32, local_io: str = "posix", fsdp1_route: str = "flat",
+                 local_tier: Optional[LocalTier] = None,
                  _options: Optional[Options] = None, _faults: Sequence[faults.Fault] = ()):
         self.options = _options or Options(async_save=bool(async_save), staging_slots=staging_slots,
                                            io_threads=io_threads, io_concurrency=io_concurrency,
                                            zero_redundancy=zero_redundancy, timeout_s=timeout_s,
-                                           dead_peer_s=dead_peer_s, local_io=local_io)
+                                           dead_peer_s=dead_peer_s, local_io=local_io, fsdp1_route=fsdp1_route)
         if storage_options is not None and not isinstance(storage_options, Mapping):
             raise CheckpointError(f"Checkpointer: storage_options must be a dict, got {type(storage_options).__name__}")
         self.storage_options = dict(storage_options) if storage_options else None
@@ -118,7 +119,8 @@ class Checkpointer:
             begin = lambda: saver.begin(store, overwrite, self._read_metadata)  # noqa: E731
         else:
             raise CheckpointError(f"save: tier must be 'persistent' or 'local', got {tier!r}")
-        flat, manifest, blob = comm.run(lambda: _prepare(state), "preparing the state for save")
+        flat, manifest, blob = comm.run(lambda: _prepare(state, self.options.fsdp1_route),
+                                        "preparing the state for save")
         local, full, save_id, old_data = saver.plan(comm, manifest, self._plans, begin)
         data = saver.sources(flat, local.writes)
         handle = SaveHandle(str(path), pending=self._pending)
@@ -189,7 +191,7 @@ class Checkpointer:
         shared = zero_redundancy.plan_shared if self._share(comm, store) else zero_redundancy.no_sharing
         with Workers(self.options.threads) as workers:
             loader.load(comm, store, workers, md, state, strict=strict, allow_pickle=allow_pickle, shared=shared,
-                        stats=stats)
+                        stats=stats, fsdp1_route=self.options.fsdp1_route)
         self.last_load_stats = stats
         return state
 
@@ -266,7 +268,8 @@ class Checkpointer:
         stats = loader.LoadStats()
         with Workers(self.options.threads) as workers:
             loader.load(comm, store, workers, md, state, strict=strict, allow_pickle=allow_pickle,
-                        shared=local_tier_mod.holder_planner(held), stats=stats)
+                        shared=local_tier_mod.holder_planner(held), stats=stats,
+                        fsdp1_route=self.options.fsdp1_route)
         self.last_load_stats = stats
         return Restored("local", name, save_id)
 
@@ -455,8 +458,8 @@ class Checkpointer:
             raise CheckpointerClosedError("this Checkpointer was closed; create a new one (or use bcp.save/load)")
 
 
-def _prepare(state: Dict[str, Any]):
-    flat = flatten_for_save(state)
+def _prepare(state: Dict[str, Any], fsdp1_route: str):
+    flat = flatten_for_save(state, fsdp1_route)
     manifest, blob = saver.manifest_and_blob(flat)
     return flat, manifest, blob
 

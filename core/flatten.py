@@ -116,10 +116,11 @@ def join(prefix: str, k: Any) -> str:
 
 
 class Walker:
-    def __init__(self, state: Any, for_load: bool, saved: Any = None):
+    def __init__(self, state: Any, for_load: bool, saved: Any = None, fsdp1_route: str = "flat"):
         self.flat = Flat()
         self.for_load = for_load
         self.saved = saved  # load: the checkpoint's structure tree (what was saved), if known
+        self.fsdp1_route = fsdp1_route  # how FSDP1 models are read/written (see fsdp1.py)
         self.param_owner = _param_owners(state)
 
     def save(self, value: Any, key: str) -> Any:
@@ -135,16 +136,16 @@ class Walker:
         self.flat.tensors[entry.key] = entry
 
 
-def flatten_for_save(state: Any) -> Flat:
+def flatten_for_save(state: Any, fsdp1_route: str = "flat") -> Flat:
     _check_top(state)
-    w = Walker(state, for_load=False)
+    w = Walker(state, for_load=False, fsdp1_route=fsdp1_route)
     w.flat.structure = w.save(state, "")
     return w.flat
 
 
-def flatten_for_load(state: Any, saved_structure: Any = None) -> Flat:
+def flatten_for_load(state: Any, saved_structure: Any = None, fsdp1_route: str = "flat") -> Flat:
     _check_top(state)
-    w = Walker(state, for_load=True, saved=saved_structure)
+    w = Walker(state, for_load=True, saved=saved_structure, fsdp1_route=fsdp1_route)
     w.load(state, "", lambda v: None)
     return w.flat
 
@@ -293,7 +294,7 @@ class OptimizerHandler(Handler):
         model = _owner_module(value, walk.param_owner)
         if model is None:
             return _STATEFUL.save(value, key, walk)
-        if fsdp1.uses_flat_route(model):
+        if fsdp1.uses_flat_route(model, walk.fsdp1_route):
             return fsdp1.save_optimizer(value, model, key, walk)
         return walk.save(_named_optimizer_state(model, value), key)
 
@@ -301,7 +302,7 @@ class OptimizerHandler(Handler):
         model = _owner_module(value, walk.param_owner)
         if model is None:
             return _STATEFUL.load(value, key, walk, assign)
-        if fsdp1.uses_flat_route(model):
+        if fsdp1.uses_flat_route(model, walk.fsdp1_route):
             return fsdp1.load_optimizer(value, model, key, walk)
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
         # A state dict of plain values only is loaded whole (assign); otherwise in place.

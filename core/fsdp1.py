@@ -2,7 +2,8 @@
 
 Users pass the model and the optimizer; ModuleHandler / OptimizerHandler (flatten.py) send any
 module that is or contains FSDP1 modules (and, on the flat route, its optimizer) here. The route
-is BCP_FSDP1_ROUTE (default "flat"):
+is the Checkpointer's `fsdp1_route` option (default "flat"; BCP_FSDP1_ROUTE for Checkpointers
+built from the environment):
 
 - "flat" (default, the paper's route). Each rank's FlatParameter shard is cut into per-original-
   parameter `FlatShard`s (elements [start, stop) of the flattened original parameter), from FSDP's
@@ -16,7 +17,7 @@ is BCP_FSDP1_ROUTE (default "flat"):
   whose get_optimizer_state_dict gives FSDP's sharded optimizer state dict): ShardedTensor local
   shards become regions. FSDP all-gathers every flat parameter (and its optimizer state) and copies
   out row chunks before anything is written, and all-gathers again on load. Kept, selected with
-  BCP_FSDP1_ROUTE=sharded_tensor, for a torch version whose FSDP1 internals the flat route does not
+  fsdp1_route="sharded_tensor", for a torch version whose FSDP1 internals the flat route does not
   know (torch_compat.py then fails saying so) and as the measured alternative. docs/sharded.md has
   the measurements.
 
@@ -26,7 +27,6 @@ saved from FSDP1 loads into FSDP1 at another world size, FSDP2, DDP or a plain m
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -43,13 +43,6 @@ ROUTES = ("flat", "sharded_tensor")
 _FSDP = torch_compat.fsdp1_class()
 
 
-def default_route() -> str:
-    route = os.environ.get(torch_compat.FSDP1_ROUTE_ENV, "flat")
-    if route not in ROUTES:
-        raise CheckpointError(f"{torch_compat.FSDP1_ROUTE_ENV}={route!r} is not a route; use one of {ROUTES}")
-    return route
-
-
 def holds_fsdp1(module: Optional[nn.Module]) -> bool:
     """True if `module` is or contains a FullyShardedDataParallel module."""
     if _FSDP is None or module is None:
@@ -57,10 +50,10 @@ def holds_fsdp1(module: Optional[nn.Module]) -> bool:
     return isinstance(module, _FSDP) or any(isinstance(m, _FSDP) for m in module.modules())
 
 
-def uses_flat_route(module: Optional[nn.Module]) -> bool:
+def uses_flat_route(module: Optional[nn.Module], route: str) -> bool:
     """FSDP1 through the flat route. (On the ShardedTensor route an FSDP1 model's optimizer goes
     through the generic DCP-named path, which gives FSDP's sharded optimizer state dict.)"""
-    return holds_fsdp1(module) and default_route() == "flat"
+    return holds_fsdp1(module) and route == "flat"
 
 
 # ------------------------------------------------------------------ the flat layout of a model
@@ -124,8 +117,7 @@ def flat_layout(model: nn.Module) -> FlatLayout:
     return layout
 
 
-def route_for(model: nn.Module) -> Tuple[str, Optional[FlatLayout]]:
-    route = default_route()
+def route_for(model: nn.Module, route: str) -> Tuple[str, Optional[FlatLayout]]:
     return (route, flat_layout(model)) if route == "flat" else (route, None)
 
 
@@ -152,7 +144,7 @@ def model_state(model: nn.Module, layout: FlatLayout) -> Dict[str, Any]:
 
 
 def save_module(model: nn.Module, key: str, walk: Any) -> Any:
-    route, layout = route_for(model)
+    route, layout = route_for(model, walk.fsdp1_route)
     if route == "sharded_tensor":
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
         return walk.save(get_model_state_dict(model), key)
@@ -160,7 +152,7 @@ def save_module(model: nn.Module, key: str, walk: Any) -> Any:
 
 
 def load_module(model: nn.Module, key: str, walk: Any) -> None:
-    route, layout = route_for(model)
+    route, layout = route_for(model, walk.fsdp1_route)
     if route == "sharded_tensor":
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
         sd = get_model_state_dict(model)

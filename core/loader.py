@@ -186,13 +186,13 @@ def _list(keys: List[str], n: int = 20) -> str:
 
 
 def load(comm: Comm, store: Storage, workers: Workers, md: Metadata, state: Dict[str, Any], *, strict: bool,
-         allow_pickle: bool, shared, stats: LoadStats) -> Dict[str, Any]:
+         allow_pickle: bool, shared, stats: LoadStats, fsdp1_route: str = "flat") -> Dict[str, Any]:
     """Load `md`'s checkpoint into `state` in place (collective over comm); returns `state`.
     `shared(comm, md, needs)` plans which chunks one rank reads for others and broadcasts
     (zero-redundancy; or `zero_redundancy.no_sharing`): every other chunk is read locally."""
 
     def prepare():
-        flat = flatten_for_load(state, md.structure)
+        flat = flatten_for_load(state, md.structure, fsdp1_route)
         missing, _ = _check_keys(flat, md, strict)
         targets = []
         for e in flat.tensors.values():

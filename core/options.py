@@ -20,6 +20,7 @@ ENV = {
     "BCP_TIMEOUT_S": "timeout_s",
     "BCP_DEAD_PEER_S": "dead_peer_s",
     "BCP_FILE_IO": "local_io",
+    "BCP_FSDP1_ROUTE": "fsdp1_route",
     # older names, kept working
     "BCP_COLLECTIVE_TIMEOUT_S": "timeout_s",
     "BCP_COPY_CONCURRENCY": "io_threads",
@@ -45,6 +46,9 @@ class Options:
     dead_peer_s: float = 30.0
     # Local directories: "posix" (plain file I/O) or "tensorstore" (its file kvstore).
     local_io: str = "posix"
+    # FSDP1 models: "flat" (each rank's flat-parameter shard written as per-parameter flat shards,
+    # no all-gather) or "sharded_tensor" (FSDP's sharded state dict; see fsdp1.py).
+    fsdp1_route: str = "flat"
 
     def __post_init__(self) -> None:
         def bad(name: str, want: str) -> CheckpointError:
@@ -63,6 +67,8 @@ class Options:
                 raise bad(name, "a positive number of seconds")
         if self.local_io not in ("posix", "tensorstore"):
             raise bad("local_io", '"posix" or "tensorstore"')
+        if self.fsdp1_route not in ("flat", "sharded_tensor"):
+            raise bad("fsdp1_route", '"flat" or "sharded_tensor"')
 
     @property
     def threads(self) -> int:
@@ -97,7 +103,7 @@ def _parse(var: str, name: str, raw: str, typ: str) -> Any:
             return "auto" if text == "auto" else text not in ("0", "false", "no", "off")
         if name == "async_save":
             return text in ("1", "true", "yes", "on")
-        if name == "local_io":
+        if name in ("local_io", "fsdp1_route"):
             return text
         if "float" in typ:
             return float(text)

@@ -35,8 +35,9 @@ def _attr(obj: Any, name: str, what: str, fix: str) -> Any:
         raise _missing(f"{what} ({type(obj).__name__}.{name})", fix) from None
 
 
-_FSDP1_FIX = (f"save FSDP1 models through their sharded state dict instead: set {FSDP1_ROUTE_ENV}=sharded_tensor "
-              f"(slower, all-gathers inside FSDP), or use a torch version bytecheckpoint was tested with")
+_FSDP1_FIX = (f"save FSDP1 models through their sharded state dict instead: Checkpointer(fsdp1_route="
+              f"'sharded_tensor') ({FSDP1_ROUTE_ENV}=sharded_tensor for bcp.save/load; slower, all-gathers inside "
+              f"FSDP), or use a torch version bytecheckpoint was tested with")
 
 
 # ------------------------------------------------------------------ FSDP1 (FullyShardedDataParallel)

@@ -120,11 +120,11 @@ def save_all(root: str):
     """2 ranks: train, save each case, write FSDP's full state dict of the saving run as reference."""
     rank, _ = rank_world()
     for name, (route, orig) in CASES.items():
-        os.environ["BCP_FSDP1_ROUTE"] = route
         model, optim = build("fsdp1", orig)
         train(model, optim, 3, seed=rank)
         path = os.path.join(root, name)
-        bcp.save(path, {"model": model, "optim": optim, "step": 3})
+        with bcp.Checkpointer(fsdp1_route=route) as ckpt:
+            ckpt.save(path, {"model": model, "optim": optim, "step": 3})
         ref = full_state(model, optim)
         # the structure (from rank 0) names every key, also state rank 0 holds none of
         tree = bcp.load_full(path)
@@ -148,7 +148,6 @@ def save_all(root: str):
             # every byte written once, and neither rank writes much more than half
             assert written == logical, (name, written, logical)
             assert max(info.info["bytes_per_rank"]) <= 0.6 * logical, info.info["bytes_per_rank"]
-    os.environ.pop("BCP_FSDP1_ROUTE")
     for strategy, orig in (("NO_SHARD", True), ("SHARD_GRAD_OP", False)):
         strategy_roundtrip(os.path.join(root, strategy), strategy, orig)
     fresh_optimizer_roundtrip(os.path.join(root, "fresh"))
@@ -232,10 +231,9 @@ def load_into(root: str, kind: str):
     for i, name in enumerate(CASES):
         # FSDP1 targets alternate use_orig_params so that each checkpoint loads into the other flavour
         orig = bool(i % 2)
-        os.environ["BCP_FSDP1_ROUTE"] = CASES[name][0]  # FSDP1 targets load through the route that saved
         model, optim = build(kind, orig, seed=1234)  # different initial values than the saved ones
-        state = bcp.load(os.path.join(root, name), {"model": model, "optim": optim, "step": 0})
-        os.environ.pop("BCP_FSDP1_ROUTE")
+        with bcp.Checkpointer(fsdp1_route=CASES[name][0]) as ckpt:  # FSDP1 targets load through the route that saved
+            state = ckpt.load(os.path.join(root, name), {"model": model, "optim": optim, "step": 0})
         assert state["step"] == 3
         ref, ref_groups = torch.load(os.path.join(root, name + ".ref.pt"))
         got, groups = full_state(model, optim)

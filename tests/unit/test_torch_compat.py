@@ -14,7 +14,7 @@ def test_missing_fsdp1_internals_name_version_and_fix():
     with pytest.raises(TorchCompatError) as err:
         torch_compat.fsdp1_handle(nn.Linear(2, 2))
     assert torch.__version__ in str(err.value) and "Linear._handle" in str(err.value)
-    assert "BCP_FSDP1_ROUTE=sharded_tensor" in str(err.value)
+    assert "fsdp1_route='sharded_tensor'" in str(err.value)
     flat = types.SimpleNamespace(_fqns=("w",), _shapes=((2, 2),))  # no _contiguities
     with pytest.raises(TorchCompatError, match=r"_contiguities.*tested with torch 2\.13"):
         torch_compat.flat_param_info(types.SimpleNamespace(flat_param=flat))
