@@ -1,7 +1,12 @@
 """Lightning integration: ``Trainer(plugins=[ByteCheckpointIO(async_save=True)])``.
 
-See docs/lightning.md for what it does, how it hooks into the strategies and its limits.
+Importing this package also lets ``LightningModule.load_from_checkpoint`` read bytecheckpoint
+directories (see loading.py). docs/lightning.md has the support table and the calling contract.
 """
 from .checkpoint_io import ByteCheckpointIO
+from .loading import load_from_checkpoint, read_checkpoint
+from .strategies import install_hooks as _install_hooks
 
-__all__ = ["ByteCheckpointIO"]
+_install_hooks()
+
+__all__ = ["ByteCheckpointIO", "load_from_checkpoint", "read_checkpoint"]

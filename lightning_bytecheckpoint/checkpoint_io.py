@@ -1,239 +1,338 @@
-"""``ByteCheckpointIO``: Lightning's ``CheckpointIO`` hooks mapped onto the bytecheckpoint API.
+"""``ByteCheckpointIO``: Lightning's ``CheckpointIO`` hooks mapped onto one ``bcp.Checkpointer``.
 
-Everything that touches bytes lives in the engine (``bytecheckpoint``); this class only
-translates Lightning's calls (paths, ``weights_only``, ``storage_options``, top-k removal,
-teardown) and keeps track of its own in-flight async saves so that nothing is deleted or
-overwritten while it is still being written.
+Calling contract (docs/lightning.md has the table per strategy):
 
-Lightning calls ``save_checkpoint`` on global rank 0 only; bytecheckpoint saves are collective.
-The strategy-side adapter in :mod:`lightning_bytecheckpoint.strategy` (installed automatically
-when this plugin is attached to a strategy) makes every rank call it.
+* Lightning's own strategies call ``save_checkpoint`` on one rank (global rank 0; local rank 0
+  for ``ddp_spawn``'s final weights). A checkpoint that rank holds whole (replicated DDP state,
+  single device, FSDP's "full" state) is saved by that rank alone (``process_group=bcp.LOCAL``):
+  nothing waits for another rank, so nothing can hang.
+* A checkpoint that holds sharded values (DTensor shards, ShardedTensor) needs every holder. The
+  strategy adapters (strategies.py) make every rank call the engine for those; reached any other
+  way, such a save fails at once, naming the key and the fix.
+* Loads read with ``bcp.LOCAL`` too: each rank reads what it needs, like ``torch.load`` on every
+  rank. With a Trainer that runs on one device or DDP, the model's weights are read straight
+  into the module's tensors (Lightning then finds them already in place).
+
+Paths: local paths, ``file://``, ``s3://`` and ``gs://`` are bytecheckpoint checkpoints
+(directories or prefixes). Other fsspec URLs (``memory://``, ``hdfs://``, ...) are file systems
+bytecheckpoint does not write; their checkpoints go through Lightning's ``TorchCheckpointIO``
+as regular files (with a warning once per scheme), so Lightning's fsspec-based lookups keep
+working. A bytecheckpoint directory served over http(s) is refused (the engine has no http store).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
-from typing import Any, Callable, Optional
+import weakref
+from typing import Any, Dict, Mapping, Optional
 
 import bytecheckpoint as bcp
 import torch
-import torch.distributed as dist
 from lightning.fabric.utilities.cloud_io import get_filesystem
-from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io.checkpoint_plugin import CheckpointIO
 from lightning.pytorch.plugins.io.torch_plugin import TorchCheckpointIO
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from . import strategy as _strategy
+from . import _state
 
 log = logging.getLogger(__name__)
 
 #: Top-level key this plugin adds to every checkpoint it writes (and removes again on load).
-#: Holds this rank's RNG states and the list of the checkpoint's top-level keys.
+#: Holds the saving rank's RNG states and the list of the checkpoint's top-level keys.
 RECORD_KEY = "bytecheckpoint_lightning"
-_RECORD_VERSION = 1
+_RECORD_VERSION = 2
 
 
 class ByteCheckpointIO(CheckpointIO):
-    """Save Lightning checkpoints in bytecheckpoint format: a directory written by all ranks.
+    """Save Lightning checkpoints in bytecheckpoint format: a directory that loads into any layout.
 
-    ``Trainer(plugins=[ByteCheckpointIO(async_save=True)])`` is the whole setup. Checkpoints
-    become directories (the ``.ckpt`` names ``ModelCheckpoint`` picks are kept), every rank
-    writes its balanced share, and ``trainer.fit(ckpt_path=...)`` can resume on a different
-    number of devices. Regular ``.ckpt`` files still load (through ``TorchCheckpointIO``).
+    ``Trainer(plugins=[ByteCheckpointIO(async_save=True)])`` is the whole setup; ``Fabric(plugins=
+    [ByteCheckpointIO()])`` works the same way. Checkpoints become directories (the ``.ckpt``
+    names ``ModelCheckpoint`` picks are kept) and resume on another device count or strategy.
+    Regular ``.ckpt`` files still load (through ``TorchCheckpointIO``).
 
     Args:
-        async_save: return from ``save_checkpoint`` once the state is staged; the write, fsync
-            and commit run in the background. In-flight saves are waited for before their
-            path is removed, overwritten or loaded, and at ``teardown``.
-        storage_options: passed to the engine on every call (endpoint, credentials, ...);
+        checkpointer: a ``bcp.Checkpointer`` to use. It is shared: the plugin waits for its saves
+            at teardown but never closes it. ``None``: the plugin builds its own with
+            ``bcp.Checkpointer.from_env(...)`` (BCP_* environment variables supply defaults) and
+            closes it at teardown (a later call builds a new one).
+        async_save: return from a save once the state is staged; writing and commit run in the
+            background. ``None``: the checkpointer's setting.
+        storage_options: engine storage options (endpoint, credentials, ...) for every call;
             ``trainer.save_checkpoint(..., storage_options=...)`` entries take precedence.
-        restore_rng: save each rank's torch/numpy/python (and CUDA) RNG state and restore it
-            when the checkpoint is loaded.
+        restore_rng: save the saving rank's torch/numpy/python (and CUDA) RNG states and restore
+            them on load.
     """
 
-    def __init__(
-        self,
-        async_save: bool = False,
-        storage_options: Optional[dict[str, Any]] = None,
-        restore_rng: bool = True,
-    ) -> None:
+    def __init__(self, checkpointer: Optional[bcp.Checkpointer] = None, *, async_save: Optional[bool] = None,
+                 storage_options: Optional[Mapping[str, Any]] = None, restore_rng: bool = True) -> None:
         super().__init__()
+        if checkpointer is not None and not isinstance(checkpointer, bcp.Checkpointer):
+            raise TypeError(f"ByteCheckpointIO(checkpointer=...) takes a bytecheckpoint.Checkpointer, got "
+                            f"{type(checkpointer).__name__}; pass options by name, e.g. ByteCheckpointIO(async_save=True)")
+        self._checkpointer = checkpointer
+        self._owned: Optional[bcp.Checkpointer] = None
         self.async_save = async_save
-        self.storage_options = dict(storage_options) if storage_options else None
+        self.storage_options = _check_options(storage_options, "storage_options")
         self.restore_rng = restore_rng
         self._legacy = TorchCheckpointIO()
-        self._pending: dict[str, Any] = {}  # path -> bcp.SaveHandle of this process
-        # Set by the strategy-side adapter once every rank is known to call save_checkpoint.
-        self._collective = False
-        _strategy.install_strategy_hook()
+        self._warned_schemes: set = set()
+        self._strategy_ref: Optional[weakref.ref] = None  # set by strategies.attach
+        from . import strategies
+
+        strategies.install_hooks()
+
+    # ------------------------------------------------------------------ the engine
+
+    @property
+    def checkpointer(self) -> bcp.Checkpointer:
+        """The ``bcp.Checkpointer`` every call of this plugin goes through."""
+        if self._checkpointer is not None:
+            return self._checkpointer
+        if self._owned is None or self._owned.closed:
+            self._owned = bcp.Checkpointer.from_env(storage_options=self.storage_options, async_save=self.async_save)
+        return self._owned
 
     # ------------------------------------------------------------------ CheckpointIO hooks
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Optional[Any] = None) -> None:
-        self._require_collective_caller()
-        key = _key(path)
-        self._wait_for(key)  # e.g. "last.ckpt" saved again while its previous save is in flight
-        self._reap()
-        if "://" not in str(path):  # like TorchCheckpointIO: the folder exists when save returns
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        if _is_global_zero():  # replace what TorchCheckpointIO's atomic rename would replace
-            if os.path.islink(path):  # a save_last="link" link: write a new checkpoint, not into its target
-                os.unlink(path)
-            elif _is_file(path):  # a .ckpt file from before the switch
-                self._legacy.remove_checkpoint(path)
-        state = {**checkpoint, RECORD_KEY: self._record(checkpoint)}
-        handle = bcp.save(
-            str(path), state, async_save=self.async_save, overwrite=True,
-            storage_options=self._options(storage_options),
-        )
-        if self.async_save:
-            self._pending[key] = handle
+    def save_checkpoint(self, checkpoint: Dict[str, Any], path: _PATH, storage_options: Optional[Any] = None) -> None:
+        """Save ``checkpoint`` from this process alone (Lightning calls this on one rank)."""
+        if not _state.is_bcp_path(path):
+            self._fallback_warning(path, "saved")
+            return self._legacy.save_checkpoint(checkpoint, path, storage_options=storage_options)
+        options = self._options(storage_options)
+        sharded = _state.find_sharded(checkpoint)
+        if sharded is not None:
+            raise RuntimeError(
+                f"ByteCheckpointIO.save_checkpoint was called on one rank with sharded state ({sharded!r} holds only "
+                f"this rank's part), so the other parts would be missing. Sharded checkpoints are written by every rank "
+                f"together: use a strategy the plugin adapts (FSDPStrategy, ModelParallelStrategy; see "
+                f"docs/lightning.md), or save through bcp.Checkpointer.save on every rank.")
+        self.save(checkpoint, path, options, process_group=bcp.LOCAL)
 
     @override
-    def load_checkpoint(
-        self, path: _PATH, map_location: Optional[Any] = None, weights_only: Optional[bool] = None
-    ) -> dict[str, Any]:
-        self._wait_for(_key(path))
-        if not self.is_bytecheckpoint(path) and _is_file(path):
+    def load_checkpoint(self, path: _PATH, map_location: Optional[Any] = None,
+                        weights_only: Optional[bool] = None) -> Dict[str, Any]:
+        if not _state.is_bcp_path(path):
+            refuse_http_checkpoint(path)
+            self._fallback_warning(path, "loaded")
+            return self._legacy.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        if _is_file(path):  # a regular Lightning .ckpt file (users switching mid-run)
             kwargs = {} if map_location is None else {"map_location": map_location}
             return self._legacy.load_checkpoint(path, weights_only=weights_only, **kwargs)
-        return self.read(path, weights_only=weights_only)
+        self._wait_for(path)
+        from . import strategies
+
+        template = strategies.in_place_template(self, path)
+        if template is not None:
+            checkpoint = self.load(path, template, weights_only=weights_only, process_group=bcp.LOCAL)
+        else:
+            checkpoint = self.read(path, weights_only=weights_only)
+        return _to_device(checkpoint, map_location)
 
     @override
     def remove_checkpoint(self, path: _PATH) -> None:
-        self._wait_for(_key(path))  # never delete a checkpoint that is still being written
-        if os.path.islink(path):  # ModelCheckpoint(save_last="link"): drop the link, not its target
+        if not _state.is_bcp_path(path):
+            return self._legacy.remove_checkpoint(path)
+        if "://" not in str(path) and os.path.islink(path):  # save_last="link": the link, not its target
             os.unlink(path)
-        elif self.is_bytecheckpoint(path) or not _is_file(path):
-            if _exists(path):
-                bcp.delete(str(path), storage_options=self._options())
-        else:
+        elif _is_file(path):
             self._legacy.remove_checkpoint(path)
+        elif "://" in str(path) or os.path.lexists(path):
+            self.checkpointer.delete(str(path), **self._call_kwargs(self._options()))  # waits for its save first
         log.debug(f"Removed checkpoint: {path}")
 
     @override
     def teardown(self) -> None:
-        """Wait for every in-flight save of this process; re-raise the first error."""
-        self._pending.clear()
-        bcp.wait_pending()
+        """Wait for every pending save of the checkpointer (re-raise the first failure). A
+        checkpointer the plugin built is closed (its threads and staging memory freed); the next
+        call builds a new one. A checkpointer passed in is left open."""
+        if self._checkpointer is not None:
+            self._checkpointer.wait()
+        elif self._owned is not None:
+            owned, self._owned = self._owned, None
+            owned.close()
 
-    # ------------------------------------------------------------------ used by the strategy adapter
+    # ------------------------------------------------------------------ used by the strategy adapters
 
-    def is_bytecheckpoint(self, path: _PATH) -> bool:
-        return bcp.is_checkpoint(str(path), storage_options=self._options())
+    def save(self, checkpoint: Dict[str, Any], path: _PATH, options: Optional[Dict[str, Any]] = None,
+             process_group: Any = None) -> bcp.SaveHandle:
+        """Save from the ranks of ``process_group`` (``bcp.LOCAL``: this process alone)."""
+        self._wait_for(path)
+        if process_group is bcp.LOCAL or _is_global_zero():
+            _replace_link_or_file(path, self._legacy)
+        if "://" not in str(path):  # like TorchCheckpointIO: the folder exists when save returns
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        state = {**checkpoint, RECORD_KEY: self._record(checkpoint)}
+        kwargs = self._call_kwargs(options)
+        if self.async_save is not None:
+            kwargs["async_save"] = self.async_save
+        return self.checkpointer.save(str(path), state, overwrite=True, process_group=process_group, **kwargs)
 
-    def read(self, path: _PATH, weights_only: Optional[bool] = None) -> dict:
-        """The whole checkpoint with full (unsharded) CPU tensors; restores this rank's RNG."""
-        checkpoint = bcp.load_full(str(path), storage_options=self._options(), allow_pickle=weights_only is False)
+    def load(self, path: _PATH, template: Dict[str, Any], *, strict: bool = True, weights_only: Optional[bool] = None,
+             process_group: Any = None) -> Dict[str, Any]:
+        """Load ``template`` in place (tensors keep their current layout; a ``None`` placeholder
+        receives the saved value whole); restores RNG; returns ``template``."""
+        self._wait_for(path)
+        self.checkpointer.load(str(path), template, strict=strict, allow_pickle=weights_only is False,
+                               process_group=process_group, **self._call_kwargs(self._options()))
+        return self._restore_rng(template)
+
+    def read(self, path: _PATH, weights_only: Optional[bool] = None) -> Dict[str, Any]:
+        """The whole checkpoint with full CPU tensors, read by this process alone; restores RNG."""
+        self._wait_for(path)
+        checkpoint = self.checkpointer.load_full(str(path), allow_pickle=weights_only is False,
+                                                 process_group=bcp.LOCAL, **self._call_kwargs(self._options()))
         return self._restore_rng(checkpoint)
 
-    def read_into(self, path: _PATH, state: dict, strict: bool = True, weights_only: Optional[bool] = None) -> dict:
-        """Load ``state`` in place (DTensors are resharded to their current layout; a ``None``
-        placeholder receives the full saved value); restores this rank's RNG; returns ``state``."""
-        bcp.load(str(path), state, strict=strict, storage_options=self._options(),
-                 allow_pickle=weights_only is False)
-        return self._restore_rng(state)
+    def is_bytecheckpoint(self, path: _PATH) -> bool:
+        return _state.is_bcp_path(path) and self.checkpointer.is_checkpoint(
+            str(path), **self._call_kwargs(self._options()))
 
-    def saved_keys(self, path: _PATH) -> Optional[list[str]]:
-        """Top-level keys of a checkpoint written by this plugin, its own record included (None
-        for checkpoints written otherwise)."""
-        try:
-            record = bcp.load_full(str(path), keys=[RECORD_KEY], storage_options=self._options())[RECORD_KEY]
-        except bcp.StateMismatchError:  # no record: not written through this plugin
-            return None
-        return [*record["keys"], RECORD_KEY]
+    def saved_keys(self, path: _PATH) -> list:
+        """Top-level keys of a checkpoint (this plugin's record included)."""
+        structure = self.checkpointer.metadata(str(path), **self._call_kwargs(self._options())).structure
+        return [k for k, _ in structure.get("dict", [])] if isinstance(structure, dict) else []
+
+    @property
+    def strategy(self) -> Any:
+        """The strategy this plugin was given to (None before, or after the strategy is gone)."""
+        return self._strategy_ref() if self._strategy_ref is not None else None
 
     # ------------------------------------------------------------------ internals
 
-    def _restore_rng(self, checkpoint: dict) -> dict:
-        record = checkpoint.pop(RECORD_KEY, None)
-        if record is not None and self.restore_rng and record.get("rng") is not None:
-            _set_rng_states(_rng_from_plain(record["rng"]))
-        return checkpoint
-
-    def _record(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
-        rng = _rng_to_plain(_collect_rng_states(include_cuda=True)) if self.restore_rng else None
-        return {"version": _RECORD_VERSION, "keys": list(checkpoint), "rng": rng}
-
-    def _options(self, per_call: Optional[dict[str, Any]] = None) -> Optional[dict[str, Any]]:
+    def _options(self, per_call: Any = None) -> Optional[Dict[str, Any]]:
+        per_call = _check_options(per_call, "storage_options")
         if not self.storage_options and not per_call:
             return None
-        return {**(self.storage_options or {}), **(per_call or {})}
+        base = dict(self._checkpointer.storage_options or {}) if self._checkpointer is not None else {}
+        return {**base, **(self.storage_options or {}), **(per_call or {})}
 
-    def _wait_for(self, key: str) -> None:
-        handle = self._pending.pop(key, None)
-        if handle is not None:
-            handle.wait()
+    @staticmethod
+    def _call_kwargs(options: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+        return {} if options is None else {"storage_options": options}
 
-    def _reap(self) -> None:
-        """Forget finished saves, surfacing their errors now rather than at teardown."""
-        for key in [k for k, h in self._pending.items() if h.done()]:
-            self._pending.pop(key).wait()
+    def _wait_for(self, path: _PATH) -> None:
+        """A path whose save is still running is neither overwritten, read nor removed until it is
+        committed (the checkpointer's own pending list; no bookkeeping here)."""
+        ckpt = self._checkpointer if self._checkpointer is not None else self._owned
+        if ckpt is not None and not ckpt.closed:
+            key = _state.key_of(path)
+            if any(_state.key_of(p) == key for p in ckpt.pending_paths()):
+                ckpt.wait()
 
-    def _require_collective_caller(self) -> None:
-        if not self._collective and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            raise RuntimeError(
-                "ByteCheckpointIO saves are collective, but this strategy calls the CheckpointIO on rank 0"
-                " only. Pass the plugin to the Trainer (`Trainer(plugins=[ByteCheckpointIO()])`) or the"
-                " strategy (`DDPStrategy(checkpoint_io=ByteCheckpointIO())`) so that it can adapt the"
-                " strategy, and do not wrap it in AsyncCheckpointIO (use `async_save=True`)."
-            )
+    def _restore_rng(self, checkpoint: Dict[str, Any]) -> Dict[str, Any]:
+        record = checkpoint.pop(RECORD_KEY, None)
+        if isinstance(record, dict) and self.restore_rng and record.get("rng") is not None:
+            _state.restore_rng(record["rng"])
+        return checkpoint
 
-    def __getstate__(self) -> dict:  # ddp_spawn pickles the trainer; handles are process-local
+    def _record(self, checkpoint: Dict[str, Any]) -> Dict[str, Any]:
+        rng = _state.collect_rng() if self.restore_rng else None
+        return {"version": _RECORD_VERSION, "keys": [str(k) for k in checkpoint], "rng": rng}
+
+    def _fallback_warning(self, path: _PATH, what: str) -> None:
+        s = _state.scheme(path)
+        if s not in self._warned_schemes:
+            self._warned_schemes.add(s)
+            rank_zero_warn(f"ByteCheckpointIO: {s}:// is an fsspec file system bytecheckpoint does not store to; "
+                           f"checkpoints there are {what} as regular files by Lightning's TorchCheckpointIO. "
+                           f"bytecheckpoint stores to local paths, file://, s3:// and gs://.")
+
+    def __getstate__(self) -> Dict[str, Any]:
+        """ddp_spawn pickles the trainer: engine objects are process-local. A shared checkpointer
+        travels as its options and is rebuilt (owned) in the new process."""
         state = dict(self.__dict__)
-        state["_pending"] = {}
+        state["_owned"] = None
+        state["_strategy_ref"] = None
+        ckpt = state.pop("_checkpointer")
+        state["_checkpointer"] = None
+        state["_checkpointer_options"] = (None if ckpt is None else
+                                          (dataclasses.asdict(ckpt.options), ckpt.storage_options))
         return state
 
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        options = state.pop("_checkpointer_options", None)
+        self.__dict__.update(state)
+        if options is not None:
+            self._owned = bcp.Checkpointer(storage_options=options[1], **options[0])
 
-def _key(path: _PATH) -> str:
-    text = str(path)
-    return text if "://" in text else os.path.abspath(text)
+
+def refuse_http_checkpoint(path: _PATH) -> None:
+    """A bytecheckpoint directory served over http(s) cannot be read: say so (instead of
+    torch.load unpickling an HTML listing). Other http(s) URLs are left to Lightning."""
+    if _state.scheme(path) not in ("http", "https"):
+        return
+    try:
+        fs = get_filesystem(str(path))
+        is_dir_ckpt = fs.exists(str(path).rstrip("/") + "/metadata.json")
+    except Exception:  # noqa: BLE001 - no answer: let Lightning's own loader report the URL
+        return
+    if is_dir_ckpt:
+        raise bcp.CheckpointError(
+            f"{str(path)!r} is a bytecheckpoint checkpoint served over {_state.scheme(path)}://, which "
+            f"bytecheckpoint cannot read (it reads local paths, file://, s3:// and gs://). Copy the directory "
+            f"to local disk or object storage and load it from there.")
+
+
+def _check_options(options: Any, what: str) -> Optional[Dict[str, Any]]:
+    """Lightning's contract: a CheckpointIO that cannot use the storage_options it is given
+    raises TypeError. This plugin takes a dict of engine storage options."""
+    if options is None:
+        return None
+    if not isinstance(options, Mapping):
+        raise TypeError(f"ByteCheckpointIO: {what} must be a dict of bytecheckpoint storage options (e.g. "
+                        f"{{'endpoint': 'http://...', 'region': ...}}, see docs/remote_storage.md), got "
+                        f"{type(options).__name__} {options!r:.60}")
+    return dict(options)
 
 
 def _is_file(path: _PATH) -> bool:
-    """A regular Lightning ``.ckpt`` file (local or fsspec URL)."""
+    """A regular file (a Lightning .ckpt from before the switch)."""
     text = str(path)
-    if "://" not in text:
-        return os.path.isfile(text)
+    if "://" not in text or text.startswith("file://"):
+        return os.path.isfile(_state.key_of(text))
     try:
-        return get_filesystem(text).isfile(text)
-    except (ImportError, ValueError):  # no fsspec implementation for this scheme: not a .ckpt file
+        return bool(get_filesystem(text).isfile(text))
+    except (ImportError, ValueError, OSError):  # no fsspec implementation or no answer: not a .ckpt file
         return False
 
 
+def _replace_link_or_file(path: _PATH, legacy: TorchCheckpointIO) -> None:
+    """Replace what TorchCheckpointIO's atomic rename would replace: a save_last="link" symlink
+    (write a new checkpoint, not into its target) or an old .ckpt file."""
+    if "://" in str(path) and not str(path).startswith("file://"):
+        return
+    local = _state.key_of(path)
+    if os.path.islink(local):
+        os.unlink(local)
+    elif os.path.isfile(local):
+        legacy.remove_checkpoint(local)
+
+
 def _is_global_zero() -> bool:
+    import torch.distributed as dist
+
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
-def _exists(path: _PATH) -> bool:
-    text = str(path)
-    return os.path.lexists(text) if "://" not in text else True  # remote: let the engine decide
+def _to_device(checkpoint: Dict[str, Any], map_location: Any) -> Dict[str, Any]:
+    """Apply a device ``map_location`` (bytecheckpoint returns CPU tensors; Lightning moves them)."""
+    if not isinstance(map_location, (str, torch.device)):
+        return checkpoint
+    device = torch.device(map_location)
 
+    def move(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return v.to(device)
+        if isinstance(v, dict):
+            return {k: move(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [move(x) for x in v]
+        return v
 
-# RNG states hold torch tensors, which the engine treats as replicated (written once). They
-# differ per rank, so they travel as numpy arrays: plain values, stored per rank.
-def _rng_to_plain(states: dict[str, Any]) -> dict[str, Any]:
-    return {name: _map_tensors(value, lambda t: t.cpu().numpy()) for name, value in states.items()}
-
-
-def _rng_from_plain(states: dict[str, Any]) -> dict[str, Any]:
-    states = {name: value for name, value in states.items() if name != "torch.cuda" or _cuda_matches(value)}
-    states["torch"] = torch.from_numpy(states["torch"])
-    if "torch.cuda" in states:
-        states["torch.cuda"] = [torch.from_numpy(s) for s in states["torch.cuda"]]
-    return states
-
-
-def _cuda_matches(saved: list) -> bool:
-    return torch.cuda.is_available() and len(saved) == torch.cuda.device_count()
-
-
-def _map_tensors(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if isinstance(value, list):
-        return [_map_tensors(v, fn) for v in value]
-    return value
+    return move(checkpoint) if device.type != "cpu" else checkpoint

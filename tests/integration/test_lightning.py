@@ -219,13 +219,13 @@ def test_async_save_snapshots_before_returning(tmp_path):
 def test_top_k_never_deletes_in_flight_and_leaves_only_complete(tmp_path, monkeypatch):
     ckpts = tmp_path / "ckpts"
     deleted: list[tuple[str, bool]] = []
-    real_delete = bcp.delete
+    real_delete = bcp.Checkpointer.delete
 
-    def spy_delete(path, *args, **kwargs):
+    def spy_delete(self, path, *args, **kwargs):
         deleted.append((str(path), bcp.is_checkpoint(str(path))))
-        return real_delete(path, *args, **kwargs)
+        return real_delete(self, path, *args, **kwargs)
 
-    monkeypatch.setattr(bcp, "delete", spy_delete)
+    monkeypatch.setattr(bcp.Checkpointer, "delete", spy_delete)
     pl.seed_everything(3)
     callback = ModelCheckpoint(
         dirpath=ckpts, filename="{step}", monitor="train_loss", mode="min", save_top_k=2,
@@ -366,50 +366,57 @@ def test_mixed_precision_round_trip(tmp_path, precision):
     assert resumed.restored["state_dict"]["net.0.weight"].dtype == expected_dtype
 
 
-# --------------------------------------------------------------------------- the strategy-side adapter
+# --------------------------------------------------------------------------- strategies and calling contracts
 
 
-def test_plugin_adapts_only_its_strategy_and_survives_pickling():
+def test_only_sharded_strategies_are_adapted_and_survive_pickling():
+    """DDP / single device need no adapter (rank 0 saves replicated state alone); the plugin only
+    learns its strategy. ModelParallelStrategy bypasses the CheckpointIO, so that instance (only)
+    is switched to its adapter; the switch survives pickling and is undone by another plugin."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
     io = ByteCheckpointIO()
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", plugins=[io], logger=False)
-    strategy = trainer.strategy
-    assert isinstance(strategy, DDPStrategy) and type(strategy) is not DDPStrategy
-    assert type(strategy).__name__ == "DDPStrategy" and io._collective
+    ddp = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", plugins=[io], logger=False).strategy
+    assert type(ddp) is DDPStrategy and io.strategy is ddp
+
+    io2 = ByteCheckpointIO()
+    strategy = pl.Trainer(accelerator="cpu", devices=2, strategy=ModelParallelStrategy(), plugins=[io2],
+                          logger=False).strategy
+    assert isinstance(strategy, ModelParallelStrategy) and type(strategy) is not ModelParallelStrategy
+    assert type(strategy).__name__ == "ModelParallelStrategy" and strategy._save_distributed_checkpoint
     clone = pickle.loads(pickle.dumps(strategy))  # ddp_spawn pickles the trainer
     assert type(clone) is type(strategy) and isinstance(clone.checkpoint_io, ByteCheckpointIO)
-
     plain = pl.Trainer(accelerator="cpu", devices=1, logger=False).strategy
     assert type(plain) is SingleDeviceStrategy  # other strategies are untouched
     strategy.checkpoint_io = plain.checkpoint_io  # replacing the plugin undoes the adaptation
-    assert type(strategy) is DDPStrategy
+    assert type(strategy) is ModelParallelStrategy
 
 
-def test_unsupported_strategy_fails_at_trainer_construction():
+def test_refused_strategy_fails_at_trainer_construction():
     class OwnFormat(SingleDeviceStrategy):
         pass
 
-    from lightning_bytecheckpoint import strategy as adapter
+    from lightning_bytecheckpoint import strategies
 
-    adapter._ADAPTERS[OwnFormat] = "it has its own format"
+    strategies.ADAPTERS[OwnFormat] = "it has its own format"
     try:
         with pytest.raises(TypeError, match="does not support OwnFormat: it has its own format"):
             pl.Trainer(strategy=OwnFormat(torch.device("cpu")), plugins=[ByteCheckpointIO()], logger=False)
     finally:
-        del adapter._ADAPTERS[OwnFormat]
-    from lightning.pytorch.strategies import FSDPStrategy  # needs a GPU to build a Trainer with
+        del strategies.ADAPTERS[OwnFormat]
+    from lightning.pytorch.strategies import DeepSpeedStrategy
 
-    with pytest.raises(TypeError, match="FSDPStrategy"):
-        adapter.adapt(FSDPStrategy())
+    with pytest.raises(TypeError, match="DeepSpeedStrategy: DeepSpeed writes its own"):
+        strategies._lookup(DeepSpeedStrategy)
 
 
-def test_non_collective_caller_fails_instead_of_hanging(monkeypatch):
-    import torch.distributed as dist
-
-    monkeypatch.setattr(dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(dist, "get_world_size", lambda *a, **k: 2)
+def test_sharded_state_saved_on_one_rank_fails_at_once(tmp_path):
+    """A part of a tensor saved by one caller would be a checkpoint with holes: refused before
+    any collective or write, naming the key."""
     io = ByteCheckpointIO()
-    with pytest.raises(RuntimeError, match="collective"):
-        io.save_checkpoint({"global_step": 0}, "unused")
+    with pytest.raises(RuntimeError, match=r"'state_dict/w' holds only this rank's part"):
+        io.save_checkpoint({"state_dict": {"w": bcp.Shard(torch.zeros(2), (4,), (0,))}}, tmp_path / "c.ckpt")
+    assert not (tmp_path / "c.ckpt").exists()
 
 
 class _Opaque:

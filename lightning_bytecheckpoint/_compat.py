@@ -1,0 +1,96 @@
+"""Every private Lightning attribute the adapter touches, and every Lightning class it patches.
+
+Each access checks that the attribute is still there and otherwise fails with a message that
+names the installed Lightning version and the range the adapter was tested with, instead of an
+AttributeError deep inside a training run. Nothing else in this package touches a private name
+of Lightning (docs/lightning.md, "Compatibility", lists them and why no public hook serves).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import lightning
+
+LIGHTNING_VERSION = lightning.__version__
+#: The Lightning versions this adapter's tests pass with (docs/lightning.md, "Compatibility").
+TESTED_RANGE = ">=2.2,<2.7"
+_MARK = "_bytecheckpoint_hook"
+
+
+class LightningCompatError(RuntimeError):
+    """The installed Lightning lacks something the adapter relies on."""
+
+
+def _missing(what: str, used_for: str) -> LightningCompatError:
+    return LightningCompatError(
+        f"lightning_bytecheckpoint: Lightning {LIGHTNING_VERSION} has no {what} (used to {used_for}). The adapter is "
+        f"tested with lightning{TESTED_RANGE}; install a version in that range or update lightning_bytecheckpoint.")
+
+
+# ---------------------------------------------------------------- the strategy <-> plugin meeting point
+
+def hook_checkpoint_io_setter(cls: type, on_assign: Callable[[Any, Any], bool]) -> None:
+    """Wrap the setter of ``cls.checkpoint_io`` (once) so that ``on_assign(strategy, io)`` runs
+    after every assignment. Lightning's connectors assign the plugin there, in every process,
+    before anything runs; it is the only place where a CheckpointIO meets its strategy.
+
+    ``on_assign`` returns True when it took the assignment over (the original setter, which
+    some Fabric strategies make raise, is then not called)."""
+    prop = cls.__dict__.get("checkpoint_io")
+    if not isinstance(prop, property) or prop.fset is None:
+        raise _missing(f"{cls.__qualname__}.checkpoint_io property with a setter", "meet the strategy it is given to")
+    if getattr(prop.fset, _MARK, False):
+        return
+    original = prop.fset
+
+    def fset(self: Any, io: Any) -> None:
+        if not on_assign(self, io):
+            original(self, io)
+
+    setattr(fset, _MARK, True)
+    setattr(cls, "checkpoint_io", property(prop.fget, fset, prop.fdel, prop.__doc__))
+
+
+def store_checkpoint_io(strategy: Any, io: Any) -> None:
+    """``strategy._checkpoint_io = io``: where every Lightning strategy keeps its plugin (the
+    public setter of Fabric's FSDP/ModelParallel strategies refuses any plugin)."""
+    if not hasattr(strategy, "_checkpoint_io"):
+        raise _missing(f"{type(strategy).__qualname__}._checkpoint_io attribute", "attach the plugin to the strategy")
+    strategy._checkpoint_io = io
+
+
+# ---------------------------------------------------------------- strategy settings without a public setter
+
+def use_sharded_state_dicts(strategy: Any) -> None:
+    """ModelParallelStrategy: build sharded (DTensor) state dicts, not gathered ones
+    (``save_distributed_checkpoint`` is a constructor argument only)."""
+    if not hasattr(strategy, "_save_distributed_checkpoint"):
+        raise _missing("ModelParallelStrategy._save_distributed_checkpoint attribute",
+                       "make the strategy produce sharded state dicts")
+    strategy._save_distributed_checkpoint = True
+
+
+def fsdp_state_dict_type(strategy: Any) -> str:
+    """FSDPStrategy's ``state_dict_type`` ("full" | "sharded"; a constructor argument only)."""
+    value = getattr(strategy, "_state_dict_type", None)
+    if value not in ("full", "sharded"):
+        raise _missing("FSDPStrategy._state_dict_type attribute", "tell full from sharded state dicts")
+    return value
+
+
+# ---------------------------------------------------------------- LightningModule.load_from_checkpoint
+
+def hook_checkpoint_loader(wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    """Route ``LightningModule.load_from_checkpoint``'s file read (``saving.pl_load``, an alias of
+    ``fabric.utilities.cloud_io._load``) through ``wrap(original)`` (once)."""
+    from lightning.pytorch.core import saving
+
+    original = getattr(saving, "pl_load", None)
+    if original is None or not callable(original):
+        raise _missing("lightning.pytorch.core.saving.pl_load function",
+                       "let LightningModule.load_from_checkpoint read checkpoint directories")
+    if getattr(original, _MARK, False):
+        return
+    wrapped = wrap(original)
+    setattr(wrapped, _MARK, True)
+    saving.pl_load = wrapped

@@ -1,0 +1,124 @@
+"""Pure helpers on checkpoint dicts: which paths bytecheckpoint stores, sharded values, RNG
+state as plain values, and optimizer state keyed by parameter position or name."""
+from __future__ import annotations
+
+import os
+import random
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+import torch
+
+#: URL schemes whose checkpoints bytecheckpoint writes, as Lightning users mean them. Others
+#: (memory://, hdfs://, az://, http(s)://, ...) are fsspec file systems: see ByteCheckpointIO.
+BCP_SCHEMES = ("file", "s3", "gs")
+
+
+def scheme(path: Any) -> str:
+    text = os.fspath(path) if isinstance(path, os.PathLike) else str(path)
+    return text.split("://", 1)[0].lower() if "://" in text else "file"
+
+
+def is_bcp_path(path: Any) -> bool:
+    return scheme(path) in BCP_SCHEMES
+
+
+def key_of(path: Any) -> str:
+    """A comparable form of a checkpoint path (absolute for local paths)."""
+    text = str(path)
+    if "://" not in text:
+        return os.path.abspath(text)
+    return text[len("file://"):] if text.startswith("file://") else text.rstrip("/")
+
+
+# ---------------------------------------------------------------- sharded values
+
+def is_sharded_value(value: Any) -> bool:
+    """A value that holds only a part of a tensor (a save of it needs every holder)."""
+    from bytecheckpoint import FlatShard, Shard
+
+    if isinstance(value, (Shard, FlatShard)):
+        return True
+    try:
+        from torch.distributed.tensor import DTensor, Replicate
+    except ImportError:  # pragma: no cover
+        DTensor = None
+    if DTensor is not None and isinstance(value, DTensor):
+        return any(not isinstance(p, Replicate) for p in value.placements)
+    return any(c.__name__ == "ShardedTensor" for c in type(value).__mro__)
+
+
+def find_sharded(value: Any, key: str = "", depth: int = 0) -> Optional[str]:
+    """The key of the first sharded value in a nested checkpoint, or None."""
+    if depth > 32:
+        return None
+    if is_sharded_value(value):
+        return key or "<root>"
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple)) else ()
+    for k, v in items:
+        found = find_sharded(v, f"{key}/{k}" if key else str(k), depth + 1)
+        if found:
+            return found
+    return None
+
+
+# ---------------------------------------------------------------- RNG state (public APIs only)
+
+def collect_rng() -> Dict[str, Any]:
+    """This process's torch / CUDA / numpy / python RNG states as plain values (numpy arrays,
+    tuples): per-rank values for the engine, not tensors (which it would take as replicated)."""
+    states: Dict[str, Any] = {
+        "torch": torch.get_rng_state().numpy(),
+        "numpy": np.random.get_state(),
+        "python": random.getstate(),
+    }
+    if torch.cuda.is_available():
+        states["torch.cuda"] = [s.numpy() for s in torch.cuda.get_rng_state_all()]
+    return states
+
+
+def restore_rng(states: Dict[str, Any]) -> None:
+    torch.set_rng_state(torch.as_tensor(np.asarray(states["torch"]), dtype=torch.uint8))
+    if "numpy" in states:
+        np.random.set_state(_tuple(states["numpy"]))
+    if "python" in states:
+        random.setstate(_tuple(states["python"]))
+    cuda = states.get("torch.cuda")
+    if cuda is not None and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all([torch.as_tensor(np.asarray(s), dtype=torch.uint8) for s in cuda])
+
+
+def _tuple(value: Any) -> Any:
+    if isinstance(value, list):
+        return tuple(_tuple(v) for v in value)
+    if isinstance(value, tuple):
+        return tuple(_tuple(v) for v in value)
+    return value
+
+
+# ---------------------------------------------------------------- optimizer state keys
+
+def names_to_positions(osd: Dict[str, Any]) -> Dict[str, Any]:
+    """A parameter-name-keyed optimizer state dict (torch.distributed.checkpoint's form) keyed by
+    position instead, as ``torch.optim.Optimizer.state_dict()`` keys it: position = index of the
+    parameter in the param groups' ``params`` lists, in order. Values are not copied."""
+    position = {name: i for i, name in enumerate(n for g in osd["param_groups"] for n in g["params"])}
+    return {
+        **{k: v for k, v in osd.items() if k not in ("state", "param_groups")},
+        "state": {position[name]: s for name, s in osd["state"].items()},
+        "param_groups": [{**g, "params": [position[n] for n in g["params"]]} for g in osd["param_groups"]],
+    }
+
+
+def positions_to_names(osd: Dict[str, Any], names: List[str]) -> Dict[str, Any]:
+    """The inverse, given the parameter names in the live optimizer's order."""
+    return {
+        **{k: v for k, v in osd.items() if k not in ("state", "param_groups")},
+        "state": {names[i]: s for i, s in osd["state"].items()},
+        "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in osd["param_groups"]],
+    }
+
+
+def keyed_by_names(osd: Any) -> bool:
+    groups = osd.get("param_groups") if isinstance(osd, dict) else None
+    return bool(groups) and any(isinstance(p, str) for g in groups for p in g.get("params", ()))

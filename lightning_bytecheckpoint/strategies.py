@@ -1,0 +1,295 @@
+"""Where ``ByteCheckpointIO`` meets its strategy, and the adapters of strategies that bypass it.
+
+Lightning's single-device and DDP strategies need nothing: they call the plugin with state that
+the calling rank holds whole, which it saves alone (``bcp.LOCAL``), and every rank calls the
+plugin to load. The plugin only learns which strategy it serves (a weak reference), so that a
+Trainer's load can read the weights straight into the module.
+
+Sharded strategies build their checkpoints with torch.distributed.checkpoint and never call the
+plugin (``FSDPStrategy`` with ``state_dict_type="sharded"``, ``ModelParallelStrategy``), nor can they
+load a directory they did not write. For those, the strategy *instance* the plugin is given to
+is switched to a subclass carrying a small adapter (looked up in ``ADAPTERS`` along the MRO):
+every rank saves its part through the engine, and loads go in place into the current sharding.
+
+The meeting point is the ``checkpoint_io`` property setter, wrapped once (_compat.py): Lightning's
+connectors assign the plugin there in every process before anything runs. CheckpointIO has no
+hook that runs before the first save and no reference to its strategy, so no public hook serves.
+"""
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import TYPE_CHECKING, Any, Dict, Optional, Union
+
+import torch
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy, Strategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from typing_extensions import override
+
+from . import _compat, _state
+
+if TYPE_CHECKING:
+    from .checkpoint_io import ByteCheckpointIO
+
+_ADAPTED = "_bytecheckpoint_base"  # class attribute of adapted classes: the original strategy class
+
+
+def install_hooks() -> None:
+    """Idempotent: the setter hook on Lightning's strategies and the load_from_checkpoint hook."""
+    _compat.hook_checkpoint_io_setter(Strategy, _on_assign)
+    from .loading import hook_load_from_checkpoint
+
+    hook_load_from_checkpoint()
+
+
+def _on_assign(strategy: Any, io: Any) -> bool:
+    from .checkpoint_io import ByteCheckpointIO
+
+    if isinstance(io, ByteCheckpointIO):
+        adapt(strategy)
+        io._strategy_ref = weakref.ref(strategy)
+    else:
+        unadapt(strategy)
+    return False  # the original setter stores the plugin
+
+
+# ---------------------------------------------------------------- the Trainer's in-place load (DDP, 1 device)
+
+def in_place_template(io: "ByteCheckpointIO", path: _PATH) -> Optional[Dict[str, Any]]:
+    """For a Trainer on one device or DDP: a load template whose ``state_dict`` entries are the
+    module's own tensors, so the weights are read straight into the model (no second copy), and
+    ``None`` placeholders for every other saved key. None where that would not be exactly what
+    Lightning does: no strategy known, a sharded adapter in charge, a module that edits the
+    checkpoint in ``on_load_checkpoint`` (it may drop or rename weights), or saved weights that
+    differ from the module's in names, shapes or dtypes."""
+    strategy = io.strategy
+    if strategy is None or getattr(type(strategy), _ADAPTED, None) is not None:
+        return None
+    module = getattr(strategy, "lightning_module", None)
+    if module is None or is_overridden("on_load_checkpoint", module):
+        return None
+    sd = module.state_dict()
+    if not sd or any(not isinstance(v, torch.Tensor) or v.is_meta for v in sd.values()):
+        return None
+    md = io.checkpointer.metadata(str(path))
+    prefix = "state_dict/"
+    saved = {k[len(prefix):]: t for k, t in md.tensors.items() if k.startswith(prefix)}
+    if set(saved) != set(sd) or any(tuple(saved[k].shape) != tuple(v.shape) or
+                                    saved[k].dtype != str(v.dtype).removeprefix("torch.") for k, v in sd.items()):
+        return None
+    template: Dict[str, Any] = {key: None for key in io.saved_keys(path)}
+    template["state_dict"] = sd
+    return template
+
+
+# ---------------------------------------------------------------- sharded strategies (Trainer)
+
+class _ShardedSave(Strategy):
+    """Every rank saves its part; teardown waits for pending saves (FSDP/ModelParallel's own
+    teardown never calls the plugin's). A mixin placed before the strategy class; it derives from
+    ``Strategy`` (never instantiated) so the combined class keeps the instance layout."""
+
+    @override
+    def save_checkpoint(self, checkpoint: Dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
+        io: ByteCheckpointIO = self.checkpoint_io
+        path = self.broadcast(str(filepath))
+        if not _state.is_bcp_path(path):
+            raise ValueError(f"{type(self).__name__} with ByteCheckpointIO saves to local paths, file://, s3:// or "
+                             f"gs://, not {path!r}")
+        options = io._options(storage_options)
+        if not self._saves_parts():  # gathered state ("full"): rank 0 holds it whole and saves it alone
+            if self.is_global_zero:
+                io.save(checkpoint, path, options, process_group=_LOCAL())
+            return
+        checkpoint = dict(checkpoint)
+        checkpoint["optimizer_states"] = [_state.names_to_positions(s) if _state.keyed_by_names(s) else s
+                                          for s in checkpoint.get("optimizer_states", [])]
+        io.save(checkpoint, path, options, process_group=None)  # every rank of the default group
+
+    def _saves_parts(self) -> bool:
+        return True
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        if self.is_global_zero:
+            self.checkpoint_io.remove_checkpoint(filepath)
+
+    @override
+    def teardown(self) -> None:
+        try:
+            self.checkpoint_io.teardown()  # while the process group is still up
+        finally:
+            super().teardown()
+
+    @override
+    def __reduce_ex__(self, protocol: int) -> Any:  # ddp_spawn pickles the trainer
+        return _rebuild, (getattr(type(self), _ADAPTED),), self.__getstate__()
+
+
+class _ShardedLoad(_ShardedSave):
+    """Loads in place into the live (sharded) model and optimizers; resharding is the engine's."""
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> Dict[str, Any]:
+        path = self.broadcast(str(checkpoint_path))
+        io: ByteCheckpointIO = self.checkpoint_io
+        if not io.is_bytecheckpoint(path):
+            return super().load_checkpoint(path, weights_only=weights_only)  # the strategy's own formats
+        if self._loads_sharded():
+            return _load_in_place(self, io, path, weights_only)
+        return _load_full_into(self, io, path, weights_only)
+
+    def _loads_sharded(self) -> bool:
+        return True
+
+
+class _FSDPAdapter(_ShardedLoad):
+    def _saves_parts(self) -> bool:
+        return _compat.fsdp_state_dict_type(self) == "sharded"
+
+    def _loads_sharded(self) -> bool:
+        return _engine_handles_sharded_tensor()
+
+
+def _load_in_place(strategy: Strategy, io: "ByteCheckpointIO", path: str, weights_only: Optional[bool]) -> Dict:
+    """Model and optimizer states as templates in their current layout (DTensor / ShardedTensor),
+    loaded in place with one collective load that reshards; every other key comes back whole."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    module = strategy.lightning_module
+    fitting = _fitting(module)
+    strict_model = module.strict_loading
+    state: Dict[str, Any] = {key: None for key in io.saved_keys(path)}
+    strict = strict_model
+    state["state_dict"] = get_model_state_dict(strategy.model)
+    names = []
+    if "optimizer_states" in state and fitting and strategy.optimizers:
+        live = [get_optimizer_state_dict(strategy.model, opt) for opt in strategy.optimizers]
+        names = [[n for g in osd["param_groups"] for n in g["params"]] for osd in live]
+        state["optimizer_states"] = [_state.names_to_positions(osd) for osd in live]
+    else:  # evaluating: optimizer states are not read, so not every saved key is matched
+        state.pop("optimizer_states", None)
+        strict = False
+    state = io.load(path, state, strict=strict, weights_only=weights_only, process_group=None)
+    set_model_state_dict(strategy.model, state.pop("state_dict"), options=StateDictOptions(strict=strict_model))
+    for opt, osd, order in zip(strategy.optimizers, state.pop("optimizer_states", []) if names else [], names):
+        set_optimizer_state_dict(strategy.model, opt, _state.positions_to_names(osd, order))
+    return state
+
+
+def _load_full_into(strategy: Strategy, io: "ByteCheckpointIO", path: str, weights_only: Optional[bool]) -> Dict:
+    """Every rank reads the full state and the strategy shards it (FSDP1 while the engine has no
+    ShardedTensor support: what FSDPStrategy does with a full .ckpt file)."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+
+    module = strategy.lightning_module
+    checkpoint = io.read(path, weights_only=weights_only)
+    full = StateDictOptions(full_state_dict=True, strict=module.strict_loading)
+    set_model_state_dict(strategy.model, checkpoint.pop("state_dict"), options=full)
+    saved = checkpoint.pop("optimizer_states", None)
+    if saved is not None and _fitting(module) and strategy.optimizers:
+        if len(saved) != len(strategy.optimizers):
+            raise RuntimeError(f"The checkpoint holds {len(saved)} optimizer states, the model configures "
+                               f"{len(strategy.optimizers)} optimizers; resume with the same optimizers")
+        for opt, osd in zip(strategy.optimizers, saved):
+            if not _state.keyed_by_names(osd):
+                live = get_optimizer_state_dict(strategy.model, opt)
+                osd = _state.positions_to_names(osd, [n for g in live["param_groups"] for n in g["params"]])
+            set_optimizer_state_dict(strategy.model, opt, osd, options=StateDictOptions(full_state_dict=True))
+    return checkpoint
+
+
+def _fitting(module: Any) -> bool:
+    try:
+        trainer = module.trainer
+    except RuntimeError:  # not attached to a Trainer
+        return False
+    return trainer is not None and trainer.state.fn == TrainerFn.FITTING
+
+
+def _engine_handles_sharded_tensor() -> bool:
+    """bytecheckpoint's type registry has a handler for FSDP1's ShardedTensor (it is a
+    torch.Tensor subclass: without one it would be taken for a whole, replicated tensor)."""
+    import bytecheckpoint as bcp
+
+    try:
+        from torch.distributed._shard.sharded_tensor import ShardedTensor
+    except ImportError:  # pragma: no cover
+        return False
+    mro = ShardedTensor.__mro__
+    return any(k in bcp.REGISTRY for k in mro[:mro.index(torch.Tensor)])
+
+
+def _LOCAL() -> Any:
+    import bytecheckpoint as bcp
+
+    return bcp.LOCAL
+
+
+def _sharded_model_parallel(strategy: ModelParallelStrategy) -> None:
+    _compat.use_sharded_state_dicts(strategy)
+
+
+def _check_fsdp(strategy: FSDPStrategy) -> None:
+    kind = _compat.fsdp_state_dict_type(strategy)
+    if kind == "sharded" and not _engine_handles_sharded_tensor():
+        raise TypeError(
+            "ByteCheckpointIO does not support FSDPStrategy(state_dict_type='sharded') with this bytecheckpoint "
+            "engine: it has no handler for FSDP1's ShardedTensor state dicts yet. Use state_dict_type='full' (rank 0 "
+            "saves the gathered state, every rank loads it into its shards) or ModelParallelStrategy (FSDP2).")
+
+
+# Strategy class -> (adapter mixin, check/setup run when the plugin is assigned), or the reason
+# it is refused. Looked up along the strategy's MRO. Strategies not listed (single device, DDP,
+# ddp_spawn and their subclasses) need no adapter.
+ADAPTERS: Dict[type, Union[tuple, str]] = {
+    ModelParallelStrategy: (_ShardedLoad, _sharded_model_parallel),
+    FSDPStrategy: (_FSDPAdapter, _check_fsdp),
+    DeepSpeedStrategy: "DeepSpeed writes its own checkpoint format (zero_to_fp32 conversion, its own engine "
+                       "state); keep Lightning's default CheckpointIO with DeepSpeedStrategy",
+}
+
+
+def adapt(strategy: Any) -> None:
+    """Switch ``strategy`` to the subclass carrying its adapter, if its type needs one."""
+    base = getattr(type(strategy), _ADAPTED, type(strategy))
+    entry = _lookup(base)
+    if entry is None:
+        return
+    entry[1](strategy)
+    strategy.__class__ = _adapted_class(base)
+
+
+def unadapt(strategy: Any) -> None:
+    base = getattr(type(strategy), _ADAPTED, None)
+    if base is not None:
+        strategy.__class__ = base
+
+
+def _lookup(base: type) -> Optional[tuple]:
+    for klass in base.__mro__:
+        if klass in ADAPTERS:
+            entry = ADAPTERS[klass]
+            if isinstance(entry, str):
+                raise TypeError(f"ByteCheckpointIO does not support {base.__name__}: {entry}.")
+            return entry
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _adapted_class(base: type) -> type:
+    mixin = _lookup(base)[0]
+    # Same name as the original so Lightning's messages and logs read as usual.
+    return type(base.__name__, (mixin, base), {_ADAPTED: base, "__module__": base.__module__,
+                                              "__qualname__": base.__qualname__})
+
+
+def _rebuild(base: type) -> Strategy:
+    obj = base.__new__(base)
+    obj.__class__ = _adapted_class(base)
+    return obj
