@@ -39,7 +39,10 @@ _ADAPTED = "_bytecheckpoint_base"  # class attribute of adapted classes: the ori
 def install_hooks() -> None:
     """Idempotent: the setter hook on Lightning's strategies and the load_from_checkpoint hook."""
     _compat.hook_checkpoint_io_setter(Strategy, _on_assign)
+    from .fabric_strategies import install_hooks as install_fabric_hooks
     from .loading import hook_load_from_checkpoint
+
+    install_fabric_hooks()
 
     hook_load_from_checkpoint()
 
