@@ -1,4 +1,10 @@
-"""Training-step stall per checkpoint in a Lightning Trainer: ByteCheckpointIO vs Lightning's own.
+"""Lightning checkpointing, ByteCheckpointIO vs Lightning's own, side by side with ratios and targets:
+
+1. Training-step stall per checkpoint (one process).
+2. Resume load under DDP on 2 processes (--ddp-load): the time from the start of the checkpoint
+   read to the end of the restore (Lightning's resume_start .. resume_end, slowest rank), for
+   TorchCheckpointIO (every rank torch.loads the file) and ByteCheckpointIO (every rank reads
+   alone; the weights straight into the module). Target: bcp / torch <= 0.8.
 
 Same model (an MLP, Adam), same data, same disk, one process on CPU; four CheckpointIO plugins:
   torch       Lightning's default TorchCheckpointIO (torch.save on the training thread)
@@ -41,8 +47,93 @@ def parse() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dir", default=None, help="where checkpoints go (default: a temp dir)")
     p.add_argument("--json", default=None, help="also write the results here")
+    p.add_argument("--skip-stall", action="store_true", help="only the DDP resume-load comparison")
+    p.add_argument("--skip-ddp-load", action="store_true", help="only the stall comparison")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--make-ckpt", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--ddp-load", default=None, help=argparse.SUPPRESS)
     return p.parse_args()
+
+
+LOAD_CONFIGS = ("torch", "bcp")
+
+
+def _mlp_class(args: argparse.Namespace):
+    import lightning.pytorch as pl
+    import torch
+
+    layers = max(1, round(args.params_mib * 2**20 / 4 / (args.width * args.width + args.width)))
+
+    class MLP(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Sequential(*[torch.nn.Linear(args.width, args.width) for _ in range(layers)])
+
+        def training_step(self, batch, batch_idx):
+            return self.net(batch[0]).square().mean()
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), lr=1e-4)
+
+    return MLP, layers
+
+
+def _load_plugin(config: str):
+    from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+    from lightning_bytecheckpoint import ByteCheckpointIO
+
+    return TorchCheckpointIO() if config == "torch" else ByteCheckpointIO()
+
+
+def make_checkpoint(args: argparse.Namespace) -> dict:
+    """One process: 2 training steps (Adam state exists), then a checkpoint through the plugin."""
+    import lightning.pytorch as pl
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    MLP, layers = _mlp_class(args)
+    pl.seed_everything(0, verbose=False)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, plugins=[_load_plugin(args.worker)])
+    trainer.fit(MLP(), DataLoader(TensorDataset(torch.randn(args.batch * 2, args.width)), batch_size=args.batch))
+    trainer.save_checkpoint(args.make_ckpt)
+    trainer.strategy.checkpoint_io.teardown()
+    return {"layers": layers}
+
+
+def ddp_load(args: argparse.Namespace) -> None:
+    """2-process DDP resume from args.ddp_load; each rank writes its restore time next to it."""
+    import time as _time
+
+    import lightning.pytorch as pl
+    import torch
+    from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+    from torch.utils.data import DataLoader, TensorDataset
+
+    times: dict = {}
+    start, end = _CheckpointConnector.resume_start, _CheckpointConnector.resume_end
+
+    def timed_start(self, *a, **k):  # benchmark instrumentation only
+        times.setdefault("t0", _time.perf_counter())
+        return start(self, *a, **k)
+
+    def timed_end(self, *a, **k):
+        out = end(self, *a, **k)
+        times["t1"] = _time.perf_counter()
+        return out
+
+    _CheckpointConnector.resume_start, _CheckpointConnector.resume_end = timed_start, timed_end
+    torch.set_num_threads(1)
+    MLP, _ = _mlp_class(args)
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=2, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         plugins=[_load_plugin(args.worker)])
+    trainer.fit(MLP(), DataLoader(TensorDataset(torch.randn(args.batch * 4, args.width)), batch_size=args.batch),
+                ckpt_path=args.ddp_load)
+    assert trainer.global_step == 2  # restored, nothing left to train
+    with open(f"{args.ddp_load}.rank{trainer.global_rank}.time", "w") as f:
+        f.write(str(times["t1"] - times["t0"]))
 
 
 def worker(args: argparse.Namespace) -> dict:
@@ -111,10 +202,69 @@ def worker(args: argparse.Namespace) -> dict:
 
 def main() -> None:
     args = parse()
+    if args.worker and args.make_ckpt:
+        print("RESULT " + json.dumps(make_checkpoint(args)))
+        return
+    if args.worker and args.ddp_load:
+        ddp_load(args)
+        return
     if args.worker:
         print("RESULT " + json.dumps(worker(args)))
         return
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    if not args.skip_stall:
+        stall_table(args, env)
+    if not args.skip_ddp_load:
+        load_table(args, env)
+
+
+def _run(cmd: list, env: dict, what: str) -> str:
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+    if out.returncode:
+        sys.exit(f"{what} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+    return out.stdout
+
+
+def load_table(args: argparse.Namespace, env: dict) -> None:
+    folder = tempfile.mkdtemp(dir=args.dir)
+    times: dict[str, list[float]] = {c: [] for c in LOAD_CONFIGS}
+    try:
+        paths = {}
+        for config in LOAD_CONFIGS:
+            paths[config] = os.path.join(folder, f"{config}.ckpt")
+            _run([sys.executable, __file__, "--worker", config, "--make-ckpt", paths[config]] + _forward(args),
+                 env, f"{config} checkpoint")
+        for r in range(args.repeats):
+            for config in LOAD_CONFIGS:  # interleaved
+                ddp_env = {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": "1"}
+                ddp_env.pop("LOCAL_RANK", None)
+                _run([sys.executable, __file__, "--worker", config, "--ddp-load", paths[config]] + _forward(args),
+                     ddp_env, f"{config} DDP resume")
+                ranks = [float(open(f"{paths[config]}.rank{i}.time").read()) for i in range(2)]
+                times[config].append(max(ranks))
+                print(f"  repeat {r + 1}/{args.repeats} {config:6s} DDP resume load {times[config][-1]:.3f}s",
+                      file=sys.stderr)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    med = {c: statistics.median(times[c]) for c in LOAD_CONFIGS}
+    print(f"\nLightning DDP resume load, 2 CPU processes, ~{args.params_mib:.0f} MiB fp32 params + Adam, slowest rank,"
+          f" median of {args.repeats} interleaved runs\n")
+    print("| plugin | load s | ratio to torch | target |")
+    print("|---|---:|---:|---:|")
+    print(f"| TorchCheckpointIO | {med['torch']:.3f} | 1.00 | |")
+    ratio = med["bcp"] / med["torch"]
+    print(f"| ByteCheckpointIO | {med['bcp']:.3f} | {ratio:.2f} | <= 0.8 ({'met' if ratio <= 0.8 else 'MISSED'}) |")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def stall_table(args: argparse.Namespace, env: dict) -> None:
     results: dict[str, list[dict]] = {c: [] for c in CONFIGS}
     for r in range(args.repeats):
         for config in CONFIGS:  # interleaved, so drifting machine load hits all alike
@@ -141,6 +291,9 @@ def main() -> None:
         print(f"| {c:11s} | {m['ckpt_mib']:8.1f} | {m['step_s']:6.3f} | {m['stall_s']:12.3f} | "
               f"{ref['stall_s'] / m['stall_s']:5.2f} | {m['overhead_s']:15.3f} | "
               f"{_ratio(ref['overhead_s'], m['overhead_s'])} |")
+    ratio = ref["stall_s"] / med["bcp async"]["stall_s"]
+    print(f"\ntarget: bcp async stall far below torch's (ratio >> 1): {ratio:.1f}x "
+          f"({'met' if ratio >= 3 else 'MISSED'} at >= 3x)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "runs": results, "median": med}, f, indent=1)

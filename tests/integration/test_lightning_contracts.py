@@ -163,3 +163,18 @@ def test_trainer_load_reads_weights_in_place(trained, tmp_path):
     trainer2.strategy.connect(editing)
     ckpt = trainer2.strategy.checkpoint_io.load_checkpoint(path)
     assert all(ckpt["state_dict"][k].data_ptr() != v.data_ptr() for k, v in editing.state_dict().items())
+
+
+def test_missing_peer_in_a_collective_save_is_reported_within_the_bound(tmp_path):
+    """Sharded saves are collective; a rank that never arrives is reported after the
+    checkpointer's timeout_s (here 3 s), naming the cause, instead of hanging."""
+    import json
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from launcher import run_ranks
+
+    outs = run_ranks("lightning_ranks:missing_peer", 2, {"path": str(tmp_path / "c.ckpt"), "timeout_s": 3},
+                     timeout=60, extra_env={"PYTHONPATH": str(Path(__file__).resolve().parent)})
+    result = json.loads(next(line for line in outs[0].splitlines() if line.startswith("RESULT "))[7:])
+    assert 3 <= result["seconds"] < 10, result
+    assert "not every rank of the process group (2 ranks) arrived within 3 s" in result["message"]
