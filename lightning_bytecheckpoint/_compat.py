@@ -78,6 +78,20 @@ def fsdp_state_dict_type(strategy: Any) -> str:
     return value
 
 
+# ---------------------------------------------------------------- Lightning's own loader
+
+def legacy_load(io: Any, path: Any, map_location: Any = None, weights_only: Any = None) -> Any:
+    """``TorchCheckpointIO.load_checkpoint`` (regular .ckpt files). Lightning < 2.5 has no
+    ``weights_only`` parameter there (it was added with torch 2.6's default change); it is passed
+    only where the installed version takes it."""
+    import inspect
+
+    kwargs = {} if map_location is None else {"map_location": map_location}
+    if "weights_only" in inspect.signature(io.load_checkpoint).parameters:
+        kwargs["weights_only"] = weights_only
+    return io.load_checkpoint(path, **kwargs)
+
+
 # ---------------------------------------------------------------- LightningModule.load_from_checkpoint
 
 def hook_checkpoint_loader(wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:

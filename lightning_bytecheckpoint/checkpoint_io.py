@@ -36,7 +36,7 @@ from lightning.pytorch.plugins.io.torch_plugin import TorchCheckpointIO
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from . import _state
+from . import _compat, _state
 
 log = logging.getLogger(__name__)
 
@@ -120,10 +120,9 @@ class ByteCheckpointIO(CheckpointIO):
         if not _state.is_bcp_path(path):
             refuse_http_checkpoint(path)
             self._fallback_warning(path, "loaded")
-            return self._legacy.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+            return _compat.legacy_load(self._legacy, path, map_location, weights_only)
         if _is_file(path):  # a regular Lightning .ckpt file (users switching mid-run)
-            kwargs = {} if map_location is None else {"map_location": map_location}
-            return self._legacy.load_checkpoint(path, weights_only=weights_only, **kwargs)
+            return _compat.legacy_load(self._legacy, path, map_location, weights_only)
         self._wait_for(path)
         from . import strategies
 

@@ -314,6 +314,12 @@ def test_regular_ckpt_file_still_loads(tmp_path):
     assert bcp.is_checkpoint(str(legacy)) and io.load_checkpoint(legacy) == {"global_step": 8}
 
 
+_TRAINER_WEIGHTS_ONLY = pytest.mark.skipif(
+    "weights_only" not in __import__("inspect").signature(pl.Trainer.validate).parameters,
+    reason="this Lightning's Trainer has no weights_only argument (added in 2.5)")
+
+
+@_TRAINER_WEIGHTS_ONLY
 def test_weights_only_and_pickled_hyperparameters(tmp_path):
     """weights_only maps to allow_pickle: objects that need unpickling load only with weights_only=False."""
     model = Net(extra=_Opaque(7))
@@ -335,6 +341,7 @@ def test_weights_only_and_pickled_hyperparameters(tmp_path):
     assert_same(evaluator.state_dict(), model.state_dict(), "validated weights")
 
 
+@_TRAINER_WEIGHTS_ONLY
 def test_weights_only_checkpoint_validates_without_pickle(tmp_path):
     ckpts = tmp_path / "ckpts"
     model = Net()

@@ -9,6 +9,7 @@ Runs are subprocesses with hard timeouts (test_lightning_ddp.run_ddp).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -91,7 +92,9 @@ import bytecheckpoint as bcp  # noqa: E402
 import pytest  # noqa: E402
 from test_lightning import assert_same  # noqa: E402
 
-pytestmark = pytest.mark.timeout(4 * RUN_TIMEOUT_S + 60)
+pytestmark = [pytest.mark.timeout(4 * RUN_TIMEOUT_S + 60),
+              pytest.mark.skipif(not os.environ.get("BCP_LIGHTNING_ALL"),
+                                 reason="heavy 4-launch matrix: make test-frameworks-lightning")]
 
 
 def test_fabric_model_parallel_and_ddp_reshard(tmp_path):
