@@ -141,7 +141,7 @@ def test_one_device_checkpoint_resumes_on_two_processes(one_then_ddp):
         assert report["global_step"] == 7
 
 
-def test_ddp_saves_from_both_ranks_and_resumes_on_one_device(one_then_ddp, tmp_path):
+def test_ddp_saves_from_rank_zero_alone_and_resumes_on_one_device(one_then_ddp, tmp_path):
     _, ranks, ckpts = one_then_ddp
     assert sorted(p.name for p in ckpts.iterdir()) == ["step=6.ckpt"]
     saved = ranks[0]["snapshots"][6]
