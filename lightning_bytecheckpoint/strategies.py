@@ -66,12 +66,12 @@ def in_place_template(io: "ByteCheckpointIO", path: _PATH) -> Optional[Dict[str,
     ``None`` placeholders for every other saved key. None where that would not be exactly what
     Lightning does: no strategy known, a sharded adapter in charge, a module that edits the
     checkpoint in ``on_load_checkpoint`` (it may drop or rename weights), or saved weights that
-    differ from the module's in names, shapes or dtypes."""
+    differ from the module's in names, shapes or dtypes, or a load that is not the Trainer's restore."""
     strategy = io.strategy
     if strategy is None or getattr(type(strategy), _ADAPTED, None) is not None:
         return None
     module = getattr(strategy, "lightning_module", None)
-    if module is None or is_overridden("on_load_checkpoint", module):
+    if module is None or is_overridden("on_load_checkpoint", module) or not _restoring(module, path):
         return None
     sd = module.state_dict()
     if not sd or any(not isinstance(v, torch.Tensor) or v.is_meta for v in sd.values()):
@@ -85,6 +85,17 @@ def in_place_template(io: "ByteCheckpointIO", path: _PATH) -> Optional[Dict[str,
     template: Dict[str, Any] = {key: None for key in io.saved_keys(path)}
     template["state_dict"] = sd
     return template
+
+
+def _restoring(module: Any, path: _PATH) -> bool:
+    """The Trainer is restoring from ``path`` (its public ``ckpt_path``), so Lightning is about to
+    overwrite the module's weights with these anyway; any other load_checkpoint call (a callback
+    peeking at a checkpoint) must leave the live model alone."""
+    try:
+        ckpt_path = module.trainer.ckpt_path
+    except (RuntimeError, AttributeError):  # not attached to a Trainer
+        return False
+    return ckpt_path is not None and _state.key_of(ckpt_path) == _state.key_of(path)
 
 
 # ---------------------------------------------------------------- sharded strategies (Trainer)

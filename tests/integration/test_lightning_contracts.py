@@ -148,7 +148,13 @@ def test_trainer_load_reads_weights_in_place(trained, tmp_path):
     target = Plain()
     trainer = make_trainer(tmp_path, plugins=[ByteCheckpointIO()])
     trainer.strategy.connect(target)
+    target.trainer = trainer  # what fit/validate do before restoring
     ptrs = {k: v.data_ptr() for k, v in target.state_dict().items()}
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    peek = trainer.strategy.checkpoint_io.load_checkpoint(path)  # not a restore: the live model is left alone
+    assert_same(target.state_dict(), before, "a load outside a restore")
+    assert all(peek["state_dict"][k].data_ptr() != p for k, p in ptrs.items())
+    trainer.ckpt_path = str(path)  # what fit/validate(ckpt_path=...) sets before restoring
     ckpt = trainer.strategy.checkpoint_io.load_checkpoint(path)
     assert {k: v.data_ptr() for k, v in ckpt["state_dict"].items()} == ptrs
     assert_same(target.state_dict(), model.state_dict(), "in place")
@@ -161,6 +167,8 @@ def test_trainer_load_reads_weights_in_place(trained, tmp_path):
     editing = Editing(hidden=24)
     trainer2 = make_trainer(tmp_path, plugins=[ByteCheckpointIO()])
     trainer2.strategy.connect(editing)
+    editing.trainer = trainer2
+    trainer2.ckpt_path = str(path)
     ckpt = trainer2.strategy.checkpoint_io.load_checkpoint(path)
     assert all(ckpt["state_dict"][k].data_ptr() != v.data_ptr() for k, v in editing.state_dict().items())
 
