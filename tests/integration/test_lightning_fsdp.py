@@ -193,3 +193,22 @@ def test_fsdp_sharded_needs_engine_support(tmp_path):
 def test_fsdp_on_gpu(tmp_path):
     run_ddp(tmp_path, "--max-steps", "4", "--gpu", script=__file__, reports=False)
     assert bcp.is_checkpoint(str(tmp_path / "ckpts" / "step=3.ckpt"))
+
+
+def test_fsdp_sharded_every_rank_writes_and_resumes_on_one_device(tmp_path):
+    """state_dict_type="sharded" with the engine's FSDP1 support: every rank writes its shards
+    (no gather), and one device resumes from them."""
+    from lightning_bytecheckpoint import strategies
+
+    if not strategies._engine_handles_sharded_tensor():
+        pytest.skip("the engine has no FSDP1 (ShardedTensor) support")
+    ranks = run_ddp(tmp_path / "fsdp", "--max-steps", "4", "--state-dict-type", "sharded", script=__file__)
+    ckpt = tmp_path / "fsdp" / "ckpts" / "step=3.ckpt"
+    info = bcp.inspect(str(ckpt))
+    assert info.complete and info.world_size == 2 and all(n > 0 for n in info.info["bytes_per_rank"])
+    saved = ranks[0]["snapshots"][3]
+    one = Net()
+    trainer = make_trainer(tmp_path / "one", plugins=[ByteCheckpointIO()], max_steps=4, max_epochs=-1)
+    trainer.fit(one, dataloader(), ckpt_path=str(ckpt))
+    assert_same(_plain(one.loaded)["state_dict"], saved["state_dict"], "FSDP(2, sharded) -> 1 device: weights")
+    assert_same(_plain(one.loaded)["optimizer"], saved["optimizer"], "FSDP(2, sharded) -> 1 device: Adam moments")
