@@ -56,9 +56,8 @@ class ByteCheckpointIO(CheckpointIO):
 
     Args:
         checkpointer: a ``bcp.Checkpointer`` to use. It is shared: the plugin waits for its saves
-            at teardown but never closes it. ``None``: the plugin builds its own with
-            ``bcp.Checkpointer.from_env(...)`` (BCP_* environment variables supply defaults) and
-            closes it at teardown (a later call builds a new one).
+            at teardown but never closes it. ``None``: the default engine behind ``bcp.save``
+            (BCP_* environment variables supply its defaults); an idle engine holds no thread.
         async_save: return from a save once the state is staged; writing and commit run in the
             background. ``None``: the checkpointer's setting.
         storage_options: engine storage options (endpoint, credentials, ...) for every call;
@@ -89,12 +88,13 @@ class ByteCheckpointIO(CheckpointIO):
 
     @property
     def checkpointer(self) -> bcp.Checkpointer:
-        """The ``bcp.Checkpointer`` every call of this plugin goes through."""
+        """The ``bcp.Checkpointer`` every call of this plugin goes through: the one passed in, or
+        (``checkpointer=None``) the default engine behind ``bcp.save`` (options from BCP_*)."""
         if self._checkpointer is not None:
             return self._checkpointer
-        if self._owned is None or self._owned.closed:
-            self._owned = bcp.Checkpointer.from_env(storage_options=self.storage_options, async_save=self.async_save)
-        return self._owned
+        if self._owned is not None and not self._owned.closed:  # a passed one, rebuilt after pickling
+            return self._owned
+        return bcp.default_checkpointer()
 
     # ------------------------------------------------------------------ CheckpointIO hooks
 
@@ -155,6 +155,8 @@ class ByteCheckpointIO(CheckpointIO):
         elif self._owned is not None:
             owned, self._owned = self._owned, None
             owned.close()
+        else:
+            bcp.wait_pending()  # the default engine holds no thread once its saves are done
 
     # ------------------------------------------------------------------ used by the strategy adapters
 
@@ -170,6 +172,8 @@ class ByteCheckpointIO(CheckpointIO):
         kwargs = self._call_kwargs(options)
         if self.async_save is not None:
             kwargs["async_save"] = self.async_save
+        if self._checkpointer is None and self._owned is None:  # the default engine, through bytecheckpoint.save
+            return bcp.save(str(path), state, overwrite=True, process_group=process_group, **kwargs)
         return self.checkpointer.save(str(path), state, overwrite=True, process_group=process_group, **kwargs)
 
     def load(self, path: _PATH, template: Dict[str, Any], *, strict: bool = True, weights_only: Optional[bool] = None,
@@ -218,8 +222,8 @@ class ByteCheckpointIO(CheckpointIO):
     def _wait_for(self, path: _PATH) -> None:
         """A path whose save is still running is neither overwritten, read nor removed until it is
         committed (the checkpointer's own pending list; no bookkeeping here)."""
-        ckpt = self._checkpointer if self._checkpointer is not None else self._owned
-        if ckpt is not None and not ckpt.closed:
+        ckpt = self.checkpointer
+        if not ckpt.closed:
             key = _state.key_of(path)
             if any(_state.key_of(p) == key for p in ckpt.pending_paths()):
                 ckpt.wait()

@@ -107,16 +107,17 @@ def test_load_from_checkpoint_reads_a_directory(trained):
     assert_same(partial.net.state_dict(), model.net.state_dict(), "strict=False")
 
 
-def test_no_engine_thread_outlives_teardown_and_owned_engine_is_closed(tmp_path):
+def test_no_engine_thread_outlives_teardown(tmp_path):
     before = {t.ident for t in threading.enumerate()}
     io = ByteCheckpointIO(async_save=True)
+    assert io.checkpointer is bcp.default_checkpointer()   # the engine behind bcp.save
     trainer = make_trainer(tmp_path, plugins=[io], max_epochs=1, callbacks=[
         pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "c", every_n_train_steps=2, save_top_k=-1)])
     trainer.fit(Net(hidden=128), dataloader())
     leaked = [t.name for t in threading.enumerate() if t.ident not in before and t.is_alive()]
     assert not leaked, f"threads left after fit: {leaked}"
-    assert io._owned is None  # closed at teardown (staging memory freed) ...
-    trainer.save_checkpoint(tmp_path / "after.ckpt")  # ... and built again on the next call
+    assert io.checkpointer.pending_paths() == []
+    trainer.save_checkpoint(tmp_path / "after.ckpt")
     io.teardown()
     assert bcp.is_checkpoint(str(tmp_path / "after.ckpt"))
     assert not [t.name for t in threading.enumerate() if t.ident not in before and t.is_alive()]
