@@ -62,6 +62,9 @@ class KvStorage(Storage):
             future.cancel()
             raise self.timed_out(key, what) from None
         except ValueError as exc:  # tensorstore reports I/O failures as ValueError
+            if str(exc).startswith("OUT_OF_RANGE"):  # a range past the end: the object was cut short
+                raise CorruptCheckpointError(f"{self.where(key)} is shorter than expected; the checkpoint is "
+                                             f"damaged") from None
             raise classify(exc, f"{what} {self.where(key)}", self.url) from exc
 
     # ------------------------------------------------------------ bulk
@@ -82,7 +85,7 @@ class KvStorage(Storage):
         return _Pending(self, self.kv.read(key), key, "reading", lambda r: copy(_value(r)))
 
     def read_range(self, key: str, start: int, stop: int) -> Request:
-        fut = self.kv.read(key, byte_range=ts.KvStore.ByteRange(inclusive_min=start, exclusive_max=stop))
+        fut = self.kv.read(key, byte_range=slice(start, stop))
         return _Pending(self, fut, key, "reading", _value)
 
     def read_range_into(self, key: str, start: int, dests: Sequence[memoryview]) -> Request:
@@ -98,7 +101,7 @@ class KvStorage(Storage):
                 d[:] = src[pos:pos + len(d)]
                 pos += len(d)
             return want
-        fut = self.kv.read(key, byte_range=ts.KvStore.ByteRange(inclusive_min=start, exclusive_max=start + want))
+        fut = self.kv.read(key, byte_range=slice(start, start + want))
         return _Pending(self, fut, key, "reading", lambda r: scatter(_value(r)))
 
     # ------------------------------------------------------------ small objects

@@ -27,8 +27,15 @@ def _saved(tmp_path):
     return full, chunk
 
 
-def _load_rows(root, lo, hi):
-    ck = bcp.Checkpointer()
+@pytest.fixture(params=["posix", "tensorstore"])
+def local_io(request):
+    """Both storage implementations: plain files, and tensorstore's kvstore (what s3:// and gs://
+    use for range reads)."""
+    return request.param
+
+
+def _load_rows(root, lo, hi, local_io="posix"):
+    ck = bcp.Checkpointer(local_io=local_io)
     part = bcp.Shard(torch.zeros(hi - lo, COLS), (ROWS, COLS), (lo, 0))
     ck.load(root, {"w": part})
     return part.local, ck.last_load_stats
@@ -40,18 +47,18 @@ def _flip(path, offset):
     path.write_bytes(bytes(raw))
 
 
-def test_range_read_reads_only_covering_blocks_and_checks_them(tmp_path, small_blocks):
+def test_range_read_reads_only_covering_blocks_and_checks_them(tmp_path, small_blocks, local_io):
     full, chunk = _saved(tmp_path)
-    got, stats = _load_rows(tmp_path / "ck", 10, 20)       # rows 10..19 -> blocks 2..4 (rows 8..19)
+    got, stats = _load_rows(tmp_path / "ck", 10, 20, local_io)       # rows 10..19 -> blocks 2..4 (rows 8..19)
     assert torch.equal(got, full[10:20])
     assert stats.bytes_read == 3 * 4096
-    got, stats = _load_rows(tmp_path / "ck", 0, ROWS)      # the whole chunk, straight into the target
+    got, stats = _load_rows(tmp_path / "ck", 0, ROWS, local_io)      # the whole chunk, straight into the target
     assert torch.equal(got, full) and stats.bytes_read == ROWS * COLS * 4
 
     # a flipped byte in row 9 (inside block 2, outside the rows wanted, inside the bytes read)
     _flip(chunk, 9 * COLS * 4 + 3)
     with pytest.raises(bcp.CorruptCheckpointError, match="crc32"):
-        _load_rows(tmp_path / "ck", 10, 20)
+        _load_rows(tmp_path / "ck", 10, 20, local_io)
 
 
 def test_flip_outside_the_range_is_not_read_but_verify_finds_it(tmp_path, small_blocks):
@@ -75,11 +82,11 @@ def test_non_contiguous_part_is_read_through_a_buffer_and_checked(tmp_path, smal
         bcp.load(tmp_path / "ck", {"w": bcp.Shard(torch.zeros(6, 100), (ROWS, COLS), (30, 50))})
 
 
-def test_truncated_chunk_is_caught_by_a_range_read(tmp_path, small_blocks):
+def test_truncated_chunk_is_caught_by_a_range_read(tmp_path, small_blocks, local_io):
     _, chunk = _saved(tmp_path)
     chunk.write_bytes(chunk.read_bytes()[: 40 * COLS * 4])
     with pytest.raises(bcp.CorruptCheckpointError, match="shorter|damaged"):
-        _load_rows(tmp_path / "ck", 36, 48)
+        _load_rows(tmp_path / "ck", 36, 48, local_io)
 
 
 def test_block_checksums_match_zlib():
