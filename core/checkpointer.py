@@ -115,6 +115,9 @@ class Checkpointer:
             begin = lambda: (saver.new_save_id(), None)  # noqa: E731
         elif tier == "persistent":
             store = self.storage(path, storage_options)
+            if store.read_only:
+                raise CheckpointError(f"{store.url!r} is read-only ({store.scheme}://): save to a local path, s3:// or "
+                                      f"gs://")
             comm.arrive(self.options.timeout_s, f"save to {store.url!r}")
             begin = lambda: saver.begin(store, overwrite, self._read_metadata)  # noqa: E731
         else:

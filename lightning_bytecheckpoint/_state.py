@@ -10,8 +10,11 @@ import numpy as np
 import torch
 
 #: URL schemes whose checkpoints bytecheckpoint writes, as Lightning users mean them. Others
-#: (memory://, hdfs://, az://, http(s)://, ...) are fsspec file systems: see ByteCheckpointIO.
+#: (memory://, hdfs://, az://, ...) are fsspec file systems: see ByteCheckpointIO. http(s):// is
+#: read-only: a bytecheckpoint directory served there is loaded by the engine, a .ckpt file by
+#: Lightning.
 BCP_SCHEMES = ("file", "s3", "gs")
+READ_ONLY_SCHEMES = ("http", "https")
 
 
 def scheme(path: Any) -> str:

@@ -17,7 +17,7 @@ Paths: local paths, ``file://``, ``s3://`` and ``gs://`` are bytecheckpoint chec
 (directories or prefixes). Other fsspec URLs (``memory://``, ``hdfs://``, ...) are file systems
 bytecheckpoint does not write; their checkpoints go through Lightning's ``TorchCheckpointIO``
 as regular files (with a warning once per scheme), so Lightning's fsspec-based lookups keep
-working. A bytecheckpoint directory served over http(s) is refused (the engine has no http store).
+working. A bytecheckpoint directory served over http(s) is loaded by the engine (read-only).
 """
 from __future__ import annotations
 
@@ -118,7 +118,8 @@ class ByteCheckpointIO(CheckpointIO):
     def load_checkpoint(self, path: _PATH, map_location: Optional[Any] = None,
                         weights_only: Optional[bool] = None) -> Dict[str, Any]:
         if not _state.is_bcp_path(path):
-            refuse_http_checkpoint(path)
+            if is_http_checkpoint(path):  # a checkpoint directory behind a web server: read-only
+                return _to_device(self.read(path, weights_only=weights_only), map_location)
             self._fallback_warning(path, "loaded")
             return _compat.legacy_load(self._legacy, path, map_location, weights_only)
         if _is_file(path):  # a regular Lightning .ckpt file (users switching mid-run)
@@ -265,21 +266,10 @@ class ByteCheckpointIO(CheckpointIO):
             self._owned = bcp.Checkpointer(storage_options=options[1], **options[0])
 
 
-def refuse_http_checkpoint(path: _PATH) -> None:
-    """A bytecheckpoint directory served over http(s) cannot be read: say so (instead of
-    torch.load unpickling an HTML listing). Other http(s) URLs are left to Lightning."""
-    if _state.scheme(path) not in ("http", "https"):
-        return
-    try:
-        fs = get_filesystem(str(path))
-        is_dir_ckpt = fs.exists(str(path).rstrip("/") + "/metadata.json")
-    except Exception:  # noqa: BLE001 - no answer: let Lightning's own loader report the URL
-        return
-    if is_dir_ckpt:
-        raise bcp.CheckpointError(
-            f"{str(path)!r} is a bytecheckpoint checkpoint served over {_state.scheme(path)}://, which "
-            f"bytecheckpoint cannot read (it reads local paths, file://, s3:// and gs://). Copy the directory "
-            f"to local disk or object storage and load it from there.")
+def is_http_checkpoint(path: _PATH) -> bool:
+    """A bytecheckpoint directory served over http(s) (loaded by the engine, read-only); any other
+    http(s) URL (a .ckpt file) is Lightning's."""
+    return _state.scheme(path) in _state.READ_ONLY_SCHEMES and bcp.is_checkpoint(str(path))
 
 
 def _check_options(options: Any, what: str) -> Optional[Dict[str, Any]]:

@@ -27,34 +27,28 @@ def read_checkpoint(path: _PATH, map_location: Any = None, weights_only: Optiona
     is not resuming a run). Read by this process alone."""
     from .checkpoint_io import ByteCheckpointIO, _to_device
 
-    io = ByteCheckpointIO(checkpointer, restore_rng=False)
-    try:
-        return _to_device(io.read(path, weights_only=weights_only), map_location)
-    finally:
-        io.teardown()
+    io = ByteCheckpointIO(checkpointer, restore_rng=False)  # reading starts no save: nothing to tear down
+    return _to_device(io.read(path, weights_only=weights_only), map_location)
 
 
 def is_checkpoint_dir(path: Any) -> bool:
     """A bytecheckpoint checkpoint at a path Lightning's loader would otherwise open as a file."""
-    if not isinstance(path, (str, os.PathLike)) or not _state.is_bcp_path(path):
+    if not isinstance(path, (str, os.PathLike)):
+        return False
+    if not (_state.is_bcp_path(path) or _state.scheme(path) in _state.READ_ONLY_SCHEMES):
         return False
     text = os.fspath(path)
     if "://" not in text and not os.path.isdir(text):
         return False
     import bytecheckpoint as bcp
 
-    with bcp.Checkpointer.from_env() as ckpt:
-        return ckpt.is_checkpoint(str(text))
+    return bcp.is_checkpoint(str(text))
 
 
 def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
     def pl_load(path_or_url: Any, map_location: Any = None, weights_only: Optional[bool] = None) -> Any:
         if is_checkpoint_dir(path_or_url):
             return read_checkpoint(path_or_url, map_location=map_location, weights_only=weights_only)
-        if isinstance(path_or_url, (str, os.PathLike)):
-            from .checkpoint_io import refuse_http_checkpoint
-
-            refuse_http_checkpoint(path_or_url)  # a directory over http(s): say so
         return original(path_or_url, map_location=map_location, weights_only=weights_only)
 
     pl_load.__wrapped__ = original  # type: ignore[attr-defined]

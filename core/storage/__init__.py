@@ -31,7 +31,13 @@ def _open_kv(url: str, opts: Dict[str, Any], env: "StorageEnv", timeout: Optiona
     return KvStorage(url, scheme, kvstore_spec(url, opts, secrets_dir=secrets), env.context(), "", timeout)
 
 
-OPENERS: Dict[str, Callable[..., Storage]] = {"file": _open_file, "s3": _open_kv, "gs": _open_kv, "memory": _open_kv}
+def _open_http(url: str, opts: Dict[str, Any], env: "StorageEnv", timeout: Optional[float]) -> Storage:
+    from .kv import ReadOnlyKvStorage
+    return ReadOnlyKvStorage(url, split_url(url)[0], kvstore_spec(url, opts), env.context(), "", timeout)
+
+
+OPENERS: Dict[str, Callable[..., Storage]] = {"file": _open_file, "s3": _open_kv, "gs": _open_kv, "memory": _open_kv,
+                                              "http": _open_http, "https": _open_http}
 
 
 class StorageEnv:

@@ -44,6 +44,7 @@ class Storage(abc.ABC):
     url: str
     scheme: str
     request_timeout_s: Optional[float] = None
+    read_only: bool = False  # http(s)://: load, inspect and verify only
 
     # ------------------------------------------------------------ bulk (tensor chunks)
     @abc.abstractmethod

@@ -147,6 +147,7 @@ class FaultyStorage(Storage):
     def __init__(self, inner: Storage, rules: Rules):
         self._inner, self._rules = inner, rules
         self.url, self.scheme, self.request_timeout_s = inner.url, inner.scheme, inner.request_timeout_s
+        self.read_only = inner.read_only
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)

@@ -189,3 +189,64 @@ def _probe_bucket(storage: KvStorage, kv: ts.KvStore) -> None:
 
 def _prefix_end(prefix: str) -> str:
     return prefix[:-1] + chr(ord(prefix[-1]) + 1)
+
+
+class ReadOnlyKvStorage(KvStorage):
+    """http(s)://: a checkpoint directory served by a web server, loaded, inspected and verified
+    in place. Nothing can be written or listed there. Servers that ignore Range requests (e.g.
+    Python's http.server) get whole-object reads, sliced here."""
+
+    read_only = True
+
+    def read_range(self, key: str, start: int, stop: int) -> Request:
+        return _Pending(self, self.kv.read(key), key, "reading", lambda r: _slice(_value(r), start, stop, self, key))
+
+    def read_range_into(self, key: str, start: int, dests: Sequence[memoryview]) -> Request:
+        want = sum(len(d) for d in dests)
+
+        def scatter(r) -> Optional[int]:
+            raw = _slice(_value(r), start, start + want, self, key)
+            if raw is None:
+                return None
+            pos = 0
+            for d in dests:
+                d[:] = raw[pos:pos + len(d)]
+                pos += len(d)
+            return want
+        return _Pending(self, self.kv.read(key), key, "reading", scatter)
+
+    def _read_only(self, what: str) -> CheckpointError:
+        return CheckpointError(f"{self.url!r} is read-only ({self.scheme}://): cannot {what}; save to a local path, "
+                               f"s3:// or gs://")
+
+    def write(self, key: str, data: memoryview) -> Request:
+        raise self._read_only("write")
+
+    def put(self, key: str, data: bytes, *, if_absent: bool = False, durable: bool = False) -> bool:
+        raise self._read_only("write")
+
+    def delete(self, key: str) -> None:
+        raise self._read_only("delete")
+
+    def delete_prefix(self, prefix: str) -> None:
+        raise self._read_only("delete")
+
+    def remove_root(self) -> None:
+        raise self._read_only("delete")
+
+    def list(self, prefix: str = "") -> List[str]:
+        return []  # a web server has no listing to rely on
+
+    def exists_any(self) -> bool:
+        return False
+
+    def sync(self) -> None:
+        pass
+
+
+def _slice(raw: Optional[bytes], start: int, stop: int, storage: Storage, key: str) -> Optional[memoryview]:
+    if raw is None:
+        return None
+    if len(raw) < stop:
+        raise CorruptCheckpointError(f"{storage.where(key)} is shorter than expected; the checkpoint is damaged")
+    return memoryview(raw)[start:stop]

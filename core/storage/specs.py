@@ -64,14 +64,15 @@ def split_url(url: str) -> Tuple[str, str, str]:
     scheme, rest = url.split("://", 1)
     if scheme == "file":
         return "file", "", os.path.abspath(rest).rstrip("/") + "/"
-    if scheme in ("s3", "gs", "memory"):
+    if scheme in ("s3", "gs", "memory", "http", "https"):
         bucket, _, path = rest.partition("/")
         if not bucket:
-            raise CheckpointError(f"{url!r}: no bucket/name; expected {scheme}://BUCKET/PREFIX")
+            what = "HOST/PATH" if scheme.startswith("http") else "BUCKET/PREFIX"
+            raise CheckpointError(f"{url!r}: no {what.split('/')[0].lower()}; expected {scheme}://{what}")
         path = path.strip("/")
         return scheme, bucket, (path + "/") if path else ""
-    raise CheckpointError(f"{url!r}: unsupported URL scheme {scheme!r}; use a local path, file://, s3://, gs:// "
-                          f"or memory://")
+    raise CheckpointError(f"{url!r}: unsupported URL scheme {scheme!r}; use a local path, file://, s3://, gs://, "
+                          f"memory:// or (read-only) http(s)://")
 
 
 def kvstore_spec(url: str, storage_options: Optional[Mapping[str, Any]] = None, *,
@@ -92,6 +93,9 @@ def kvstore_spec(url: str, storage_options: Optional[Mapping[str, Any]] = None, 
     if scheme == "memory":
         _no_options(url, opts)
         return {"driver": "memory", "path": f"{bucket}/{path}"}
+    if scheme in ("http", "https"):  # read-only: a checkpoint directory served by a web server
+        _no_options(url, opts)
+        return {"driver": "http", "base_url": f"{scheme}://{bucket}", "path": "/" + path}
     if scheme == "gs":
         _known(url, opts, _GS_OPTIONS)
         spec: Dict[str, Any] = {"driver": "gcs", "bucket": bucket, "path": path}

@@ -184,3 +184,35 @@ def test_python_dash_m_and_console_script(ckpt, tmp_path):
         pytest.skip("console script not installed (pip install -e . creates it)")
     r = run(str(script), "verify", str(ckpt))
     assert r.returncode == 0 and r.stdout.startswith("OK:") and "[" not in r.stderr  # no bar off a terminal
+
+
+def test_checkpoint_served_over_http_loads_inspects_and_verifies(tmp_path):
+    """A checkpoint directory behind a plain web server (no Range support: Python's http.server)
+    is loaded (resharded), inspected and verified in place; it is read-only."""
+    import functools
+    import http.server
+    import threading
+
+    import torch
+
+    import bytecheckpoint as bcp
+    full = torch.arange(4096 * 64, dtype=torch.float32).view(4096, 64)
+    bcp.save(tmp_path / "ck", {"w": full, "step": 5})
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/ck"
+        assert bcp.is_checkpoint(url) and not bcp.is_checkpoint(url + "-missing")
+        assert bcp.inspect(url).nbytes == full.numel() * 4 and bcp.verify(url).ok
+        part = {"w": bcp.Shard(torch.zeros(100, 64), (4096, 64), (1000, 0)), "step": 0}
+        bcp.load(url, part)
+        assert torch.equal(part["w"].local, full[1000:1100]) and part["step"] == 5
+        with pytest.raises(bcp.CheckpointError, match="read-only"):
+            bcp.save(url, {"w": full}, overwrite=True)
+        with pytest.raises(bcp.CheckpointNotFoundError):
+            bcp.load(url + "-missing", {"w": full})
+    finally:
+        server.shutdown()
+        server.server_close()
