@@ -79,16 +79,32 @@ def _decompose(shape: Tuple[int, ...], start: int, stop: int) -> List[Box]:
 
 
 def chunk_grid(shape: Sequence[int], boxes: Iterable[Box]) -> Tuple[int, ...]:
-    """The coarsest regular chunk shape whose chunk boundaries include every box edge.
+    """The coarsest regular chunk shape whose chunk boundaries include every box edge inside
+    the tensor (the tensor's end needs none: zarr cuts edge chunks there).
 
     Every chunk then lies inside exactly one box, so each chunk has exactly one writer.
     """
     shape = tuple(shape)
-    edges = [set([0, s]) for s in shape]
+    edges = [set() for _ in shape]
     for offsets, lengths in boxes:
         for d, (o, l) in enumerate(zip(offsets, lengths)):
-            edges[d].update((o, o + l))
-    return tuple(max(1, reduce(math.gcd, sorted(e))) for e in edges)
+            edges[d].update(e for e in (o, o + l) if 0 < e < shape[d])
+    return tuple(max(1, reduce(math.gcd, sorted(e), 0) or s) for e, s in zip(edges, shape))
+
+
+def refine_chunks(grid: Tuple[int, ...], shape: Sequence[int], itemsize: int, target_bytes: int) -> Tuple[int, ...]:
+    """Divide the dim-0 chunk size by a whole factor until chunks are near `target_bytes`."""
+    if not grid:
+        return grid
+    chunk_bytes = volume(grid) * itemsize
+    rows = grid[0]
+    if chunk_bytes <= target_bytes or rows < 2:
+        return grid
+    want = max(1, rows * target_bytes // chunk_bytes)
+    for f in range(max(2, -(-rows // want)), rows + 1):
+        if rows % f == 0:
+            return (rows // f,) + tuple(grid[1:])
+    return grid
 
 
 def chunk_count(shape: Sequence[int], chunks: Sequence[int]) -> int:

@@ -40,9 +40,19 @@ def test_flat_range_rejects_out_of_bounds():
 def test_chunk_grid_aligns_with_every_box():
     shape = (10, 6)
     boxes = [((0, 0), (4, 6)), ((4, 0), (4, 6)), ((8, 0), (2, 6))]
-    assert chunk_grid(shape, boxes) == (2, 6)
-    assert chunk_count(shape, (2, 6)) == 5
+    # the tensor's end needs no chunk boundary: the last chunk (rows 8..12) is cut to 8..10 by zarr
+    assert chunk_grid(shape, boxes) == (4, 6)
+    assert chunk_count(shape, (4, 6)) == 3
     assert chunk_grid((9, 7), [((0, 0), (9, 7))]) == (9, 7)
+    # an interior edge that is not a multiple of the others still forces its gcd
+    assert chunk_grid((10, 6), [((0, 0), (4, 6)), ((4, 0), (3, 6)), ((7, 0), (3, 6))]) == (1, 6)
+    # every chunk lies inside one box
+    for shp, bxs in (((10, 6), boxes), ((4104, 8), [((i * 257, 0), (min(257, 4104 - i * 257), 8)) for i in range(16)])):
+        c = chunk_grid(shp, bxs)
+        for i in range(-(-shp[0] // c[0])):
+            lo, hi = i * c[0], min(shp[0], (i + 1) * c[0])
+            assert sum(1 for (o, l) in bxs if o[0] <= lo and hi <= o[0] + l[0]) == 1
+    assert chunk_grid((4104, 8), [((i * 257, 0), (min(257, 4104 - i * 257), 8)) for i in range(16)]) == (257, 8)
 
 
 def test_layout_problems_named():
