@@ -18,7 +18,7 @@ import torch
 
 from .comm import Comm
 from .errors import CheckpointError, CheckpointExistsError, PeerTimeoutError
-from .metadata import FORMAT_VERSION, METADATA_FILE, ArrayMeta, Metadata, ObjectFileMeta, RegionMeta, TensorMeta
+from .metadata import FORMAT_VERSION, METADATA_FILE, ArrayMeta, Metadata, ObjectFileMeta
 from .planner import SavePlan
 from .storage import Storage
 
@@ -52,10 +52,7 @@ def build_metadata(url: str, full: SavePlan, save_id: str, data_dir: str, world_
             checksums.setdefault(path, {}).update(sums)
     md = Metadata(
         version=FORMAT_VERSION, save_id=save_id, world_size=world_size,
-        tensors={k: TensorMeta(t.key, t.dtype, t.shape, t.layout, t.holders,
-                               tuple(RegionMeta(r.offsets, r.lengths, f"{data_dir}/{r.array}", r.array_offsets,
-                                                r.writer) for r in t.regions))
-                 for k, t in full.tensors.items()},
+        tensors={k: t.rooted(data_dir) for k, t in full.tensors.items()},
         arrays={f"{data_dir}/{p}": rooted(a, data_dir, checksums.get(p, {})) for p, a in full.arrays.items()},
         objects=tuple(res[0] for res, _ in results),
         structure=structure,

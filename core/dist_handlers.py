@@ -18,7 +18,7 @@ class DTensorHandler(Handler):
 
     def save(self, value, key, walk):
         shape, layout, pieces = dist_tensors.dtensor_pieces(key, value)
-        walk.add_tensor(_entry(key, value, shape, layout, pieces))
+        walk.add_tensor(_entry(key, value, shape, layout, pieces, dist_tensors.dtensor_grid(value)))
         return {"tensor": key}
 
     def load(self, value, key, walk, assign):

@@ -7,7 +7,7 @@ tensor (Partial: a pending reduction) are refused here, before anything is plann
 """
 from __future__ import annotations
 
-from typing import Any, List, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -71,6 +71,16 @@ def dtensor_pieces(key: str, dt: Any) -> Tuple[Tuple[int, ...], str, Pieces]:
     if len(boxes) == 1:
         return shape, layout, [(boxes[0][0], local)]
     return shape, layout, [(offs, local[tuple(slice(lo, hi) for lo, hi in sl)]) for offs, _, sl in boxes]
+
+
+def dtensor_grid(dt: Any) -> Optional[Tuple[Tuple[int, ...], Tuple[int, ...], Tuple[int, ...]]]:
+    """(mesh shape, the tensor dim each mesh dim shards or -1, this rank's coordinate) when every
+    placement is Shard or Replicate: what the save planner describes once per tensor. None otherwise."""
+    coordinate = dt.device_mesh.get_coordinate()
+    if coordinate is None or any(type(p) not in (Replicate, DShard) for p in dt.placements):
+        return None
+    dims = tuple(p.dim % dt.ndim if isinstance(p, DShard) else -1 for p in dt.placements)
+    return tuple(int(m) for m in dt.device_mesh.shape), dims, tuple(int(c) for c in coordinate)
 
 
 def _check_against_torch(key: str, dt: Any, runs: Sequence[Sequence[pm.Run]], local: torch.Tensor) -> None:

@@ -38,6 +38,7 @@ class TensorEntry:
     shape: Tuple[int, ...]
     layout: str                      # replicated | sharded | flat
     pieces: List[Piece] = field(default_factory=list)
+    grid: Optional[Tuple[Tuple[int, ...], ...]] = None  # DTensor: (mesh shape, sharded dim or -1 per mesh dim, coordinate)
 
 
 @dataclass
@@ -263,9 +264,9 @@ class FlatShardHandler(Handler):
         self.save(value, key, walk)
 
 
-def _entry(key: str, like: torch.Tensor, shape, layout: str, pieces) -> TensorEntry:
+def _entry(key: str, like: torch.Tensor, shape, layout: str, pieces, grid=None) -> TensorEntry:
     return TensorEntry(key, like.dtype, tuple(int(s) for s in shape), layout,
-                       [Piece(tuple(int(o) for o in offs), tuple(t.shape), t) for offs, t in pieces])
+                       [Piece(tuple(int(o) for o in offs), tuple(t.shape), t) for offs, t in pieces], grid)
 
 
 # ------------------------------------------------------------------ modules, optimizers, stateful

@@ -12,13 +12,19 @@ import math
 import re
 import struct
 import zlib
-from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
+import numpy as np
+
+from . import checksums as crc
 from .errors import FormatVersionError, MetadataError
+from .grids import Geometry, RankTable, valid_layout
 
 FORMAT_NAME = "bytecheckpoint"
-FORMAT_VERSION = 2  # 2: per-block chunk checksums (ArrayMeta.block_bytes); version 1 still loads
+FORMAT_VERSION = 3  # 3: regular (DTensor) layouts as one "grid" per tensor, packed checksum tables;
+                   # 2: per-block chunk checksums (ArrayMeta.block_bytes); 1 and 2 still load
 METADATA_FILE = "metadata.json"
 MAX_NDIM = 32
 MAX_ELEMENTS = 1 << 50  # far above any real tensor; rejects absurd shapes before allocation
@@ -59,17 +65,116 @@ class ArrayMeta:
 
 
 @dataclass(frozen=True)
+class GridMeta:
+    """A regular (DTensor) layout, stored in one array at global offsets (docs/format.md, "grid").
+
+    Mesh dim i shards tensor dim dims[i] (-1: replicates); `ranks[c]` is the rank at mesh
+    coordinate c (row-major, -1: none). Each cell of the split is one region, cut into row blocks
+    when its holders shared the write (`split_bytes`, see grids.split_rows); `choices[k]` says
+    which of its cell's holders (in mesh coordinate order) wrote region k (None: the first)."""
+    array: str
+    mesh: Tuple[int, ...]
+    dims: Tuple[int, ...]
+    ranks: RankTable
+    split_bytes: int
+    choices: Optional[bytes] = None     # little-endian unsigned ints of `choice_width` bytes
+    choice_width: int = 1
+    region_arrays: bool = False         # True: region k is the whole array `<array>/r<k>`
+
+    def array_of(self, k: int) -> str:
+        return f"{self.array}/r{k}" if self.region_arrays else self.array
+
+    def choice_array(self) -> Optional[np.ndarray]:
+        if self.choices is None:
+            return None
+        return np.frombuffer(self.choices, dtype=f"<u{self.choice_width}")
+
+
+class GridRegions(Sequence):
+    """The regions of a grid tensor, generated on demand (a Sequence of RegionMeta).
+
+    Nothing per region or per cell is kept: planners use the numpy form (`geometry()`, computed
+    afresh; at 16384 ranks x 1000 tensors keeping it would hold ~1 GiB), and iterating generates
+    RegionMeta objects as it goes (inspect, verify, export walk one tensor at a time)."""
+
+    def __init__(self, shape: Tuple[int, ...], dtype: str, grid: GridMeta):
+        self.shape, self.dtype, self.grid = tuple(shape), dtype, grid
+        self._len: Optional[int] = None
+
+    def geometry(self) -> Geometry:
+        g = self.grid
+        return Geometry(self.shape, dtype_itemsize(self.dtype), g.mesh, g.dims, g.ranks, g.split_bytes)
+
+    def _generate(self, picks: Optional[Sequence[int]] = None) -> List[RegionMeta]:
+        geo, g = self.geometry(), self.grid
+        _, offsets, lengths = geo.regions()
+        writers = geo.writers(g.choice_array())
+        idx = range(len(writers)) if picks is None else picks
+        zero = (0,) * len(self.shape)
+        out = []
+        for k in idx:
+            o = tuple(offsets[k].tolist())
+            out.append(RegionMeta(o, tuple(lengths[k].tolist()), g.array_of(k), zero if g.region_arrays else o,
+                                  int(writers[k])))
+        return out
+
+    def __len__(self) -> int:
+        if self._len is None:
+            self._len = self.geometry().n_regions
+        return self._len
+
+    def __getitem__(self, k):
+        if isinstance(k, slice):
+            return self._generate(range(len(self))[k])
+        n = len(self)
+        if not -n <= k < n:
+            raise IndexError(k)
+        return self._generate([k % n])[0]
+
+    def __iter__(self) -> Iterator[RegionMeta]:
+        return iter(self._generate())
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, GridRegions) and (self.shape, self.dtype, self.grid) == (other.shape, other.dtype,
+                                                                                     other.grid):
+            return True
+        return isinstance(other, Sequence) and tuple(self) == tuple(other)
+
+    def __hash__(self) -> int:
+        return hash((self.shape, self.grid))
+
+    def __repr__(self) -> str:
+        return f"GridRegions({len(self)} regions of {self.grid.array!r})"
+
+    def __reduce__(self):
+        return GridRegions, (self.shape, self.dtype, self.grid)
+
+
+@dataclass(frozen=True)
 class TensorMeta:
     key: str
     dtype: str
     shape: Tuple[int, ...]
     layout: str                 # how it was held at save time: replicated | sharded | flat
     holders: int                # how many ranks held part of it
-    regions: Tuple[RegionMeta, ...]
+    regions: Sequence           # of RegionMeta; a GridRegions (generated) when `grid` is set
+    grid: Optional[GridMeta] = None
 
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * dtype_itemsize(self.dtype)
+
+    def rooted(self, prefix: str) -> "TensorMeta":
+        """The same tensor with its array paths under `prefix/` (the save's data directory)."""
+        if self.grid is not None:
+            return grid_tensor(self.key, self.dtype, self.shape, self.layout, self.holders,
+                               replace(self.grid, array=f"{prefix}/{self.grid.array}"))
+        return replace(self, regions=tuple(RegionMeta(r.offsets, r.lengths, f"{prefix}/{r.array}", r.array_offsets,
+                                                      r.writer) for r in self.regions))
+
+
+def grid_tensor(key: str, dtype: str, shape: Tuple[int, ...], layout: str, holders: int, grid: GridMeta) -> TensorMeta:
+    return TensorMeta(key, dtype, tuple(shape), layout, holders, GridRegions(tuple(shape), dtype, grid), grid)
 
 
 @dataclass(frozen=True)
@@ -93,20 +198,27 @@ class Metadata:
     info: Mapping[str, Any] = field(default_factory=dict)  # library version, time, layout notes
 
     def to_json(self) -> bytes:
-        body = {
+        """Canonical JSON (sorted keys, no spaces) with a crc32 of everything else as `checksum`.
+        Written in the form of `version` (grid tensors are spelled out as regions before version 3)."""
+        tables: Optional[Dict[Any, int]] = {} if self.version >= 3 else None
+        parts = {
             "format": FORMAT_NAME,
             "version": self.version,
             "save_id": self.save_id,
             "world_size": self.world_size,
-            "tensors": {k: _tensor_to_json(t) for k, t in self.tensors.items()},
-            "arrays": {k: _array_to_json(a) for k, a in self.arrays.items()},
+            "tensors": {k: _tensor_to_json(t, tables) for k, t in self.tensors.items()},
+            "arrays": {k: _array_to_json(a, self.version) for k, a in self.arrays.items()},
             "objects": [asdict(o) for o in self.objects],
             "structure": self.structure,
             "info": dict(self.info),
         }
-        canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
-        body["checksum"] = zlib.crc32(canonical.encode())
-        return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+        if tables is not None:
+            parts["meshes"] = [t.tolist() for t in tables]
+        # each value is serialised once; the checksum is spliced in at its sorted place
+        dumped = {k: json.dumps(v, sort_keys=True, separators=(",", ":")) for k, v in parts.items()}
+        canonical = "{" + ",".join(f"{json.dumps(k)}:{dumped[k]}" for k in sorted(dumped)) + "}"
+        dumped["checksum"] = str(zlib.crc32(canonical.encode()))
+        return ("{" + ",".join(f"{json.dumps(k)}:{dumped[k]}" for k in sorted(dumped)) + "}").encode()
 
     @staticmethod
     def from_json(raw: bytes, where: str = "metadata") -> "Metadata":
@@ -124,10 +236,21 @@ def dtype_itemsize(dtype: str) -> int:
     return sizes.get(dtype, 1)  # float8 variants are 1 byte
 
 
-def _tensor_to_json(t: TensorMeta) -> Dict[str, Any]:
-    """Regions stored in the tensor's own array at their global offsets (the common case) are
-    written as [offsets, lengths, writer]; others as [offsets, lengths, writer, array, array_offsets].
-    At 1000 tensors x 1024 ranks this keeps metadata.json several times smaller."""
+def _tensor_to_json(t: TensorMeta, tables: Optional[Dict[Any, int]]) -> Dict[str, Any]:
+    """A grid tensor (version 3) is its layout: mesh, dims, the mesh's rank table (shared by all
+    tensors on that mesh, in the top-level `meshes`), the split rule and the writer choices.
+    Other regions stored in the tensor's own array at their global offsets (the common case) are
+    written as [offsets, lengths, writer]; others as [offsets, lengths, writer, array, array_offsets]."""
+    head = {"dtype": t.dtype, "shape": list(t.shape), "layout": t.layout, "holders": t.holders}
+    g = t.grid
+    if g is not None and tables is not None:
+        grid = {"mesh": list(g.mesh), "dims": list(g.dims), "ranks": tables.setdefault(g.ranks, len(tables)),
+                "split": g.split_bytes}
+        if g.choices is not None:
+            grid.update(choices=base64.b64encode(g.choices).decode("ascii"), choice_bytes=g.choice_width)
+        if g.region_arrays:
+            grid["region_arrays"] = True
+        return {**head, "array": g.array, "grid": grid}
     arrays = {r.array for r in t.regions}
     default = next(iter(arrays)) if len(arrays) == 1 else None
     regions = []
@@ -136,11 +259,40 @@ def _tensor_to_json(t: TensorMeta) -> Dict[str, Any]:
             regions.append([list(r.offsets), list(r.lengths), r.writer])
         else:
             regions.append([list(r.offsets), list(r.lengths), r.writer, r.array, list(r.array_offsets)])
-    return {"dtype": t.dtype, "shape": list(t.shape), "layout": t.layout, "holders": t.holders,
-            "array": default, "regions": regions}
+    return {**head, "array": default, "regions": regions}
 
 
-def _array_to_json(a: ArrayMeta) -> Dict[str, Any]:
+def _array_to_json(a: ArrayMeta, version: int) -> Dict[str, Any]:
+    """Version 3: `crc32` is the packed table of every chunk's checksum(s) (checksums.py);
+    before: a {chunk name: checksum(s)} object (_array_to_json_v2)."""
+    if version < 3:
+        return _array_to_json_v2(a)
+    out = {"path": a.path, "shape": list(a.shape), "chunks": list(a.chunks), "dtype": a.dtype,
+           "block_bytes": a.block_bytes}
+    per_chunk = blocks_per_chunk(a.chunks, a.dtype, a.block_bytes) if a.block_bytes else 1
+    try:
+        table = crc.pack(crc.grid_counts(a.shape, a.chunks), a.checksums, per_chunk if a.block_bytes else 0)
+    except KeyError as exc:
+        raise ValueError(f"array {a.path!r}: no checksum for chunk {exc}") from None
+    except ValueError as exc:
+        raise ValueError(f"array {a.path!r}: {exc}") from None
+    return {**out, "crc32": crc.encode(table)}
+
+
+def _parse_packed(a: Dict[str, Any], shape: Tuple[int, ...], chunks: Tuple[int, ...], dtype: str, n_chunks: int,
+                  w: str) -> Tuple[Mapping[str, Any], int]:
+    """Version 3: exactly one packed value per chunk (per block with block_bytes > 0)."""
+    _expect("checksums" not in a, w, "version 3 stores a packed crc32 table, not checksums")
+    block = _int(a.get("block_bytes"), w, 0, 1 << 40)
+    per_chunk = blocks_per_chunk(chunks, dtype, block) if block else 1
+    try:
+        table = crc.decode(a.get("crc32"), n_chunks * per_chunk)
+    except ValueError:
+        raise _fail(w, f"crc32 is not a packed table of {n_chunks} x {per_chunk} checksums") from None
+    return crc.PackedChecksums(crc.grid_counts(shape, chunks), table, per_chunk if block else 0), block
+
+
+def _array_to_json_v2(a: ArrayMeta) -> Dict[str, Any]:
     """Block checksums (block_bytes > 0) are base64 of the little-endian uint32 crc32 of each block."""
     body = {"path": a.path, "shape": list(a.shape), "chunks": list(a.chunks), "dtype": a.dtype}
     if not a.block_bytes:
@@ -235,12 +387,16 @@ def _parse(body: Any, where: str) -> Metadata:
         shape = _ints(a.get("shape"), w)
         chunks = _ints(a.get("chunks"), w, len(shape))
         _expect(math.prod(shape) <= MAX_ELEMENTS and all(c >= 1 for c in chunks), w, "absurd shape or chunks")
-        sums, block = _parse_sums(a, chunks, a["dtype"], version, w)
         # every chunk has a checksum: bounds the chunk count by the metadata's own size
         n_chunks = math.prod(-(-s // c) for s, c in zip(shape, chunks)) if shape else 1
-        _expect(n_chunks == len(sums), w, f"{n_chunks} chunks but {len(sums)} checksums")
+        if version >= 3:
+            sums, block = _parse_packed(a, shape, chunks, a["dtype"], n_chunks, w)
+        else:
+            sums, block = _parse_sums(a, chunks, a["dtype"], version, w)
+            _expect(n_chunks == len(sums), w, f"{n_chunks} chunks but {len(sums)} checksums")
         arrays[path] = ArrayMeta(path, shape, chunks, a["dtype"], sums, block)
 
+    tables = _parse_tables(body.get("meshes", []) if version >= 3 else [], world, where)
     tensors_raw = body.get("tensors")
     _expect(isinstance(tensors_raw, dict), where, "tensors is not an object")
     tensors: Dict[str, TensorMeta] = {}
@@ -251,6 +407,11 @@ def _parse(body: Any, where: str) -> Metadata:
         shape = _ints(t.get("shape"), w)
         _expect(math.prod(shape) <= MAX_ELEMENTS, w, "absurd shape")
         _expect(t.get("layout") in ("replicated", "sharded", "flat"), w, "bad layout")
+        holders = _int(t.get("holders"), w, 0, world)
+        if version >= 3 and "grid" in t:
+            _expect("regions" not in t, w, "both grid and regions")
+            tensors[key] = _parse_grid_tensor(key, t, shape, holders, arrays, tables, world, w)
+            continue
         regions_raw = t.get("regions")
         _expect(isinstance(regions_raw, list), w, "regions is not a list")
         regions = []
@@ -266,8 +427,7 @@ def _parse(body: Any, where: str) -> Metadata:
             _expect(len(arr.shape) == len(shape) and arr.dtype == t["dtype"] and
                     all(o + l <= s for o, l, s in zip(aoffs, lens, arr.shape)), w, "region outside its array")
             regions.append(RegionMeta(offs, lens, name, aoffs, _int(r[2], w, 0, world - 1)))
-        tensors[key] = TensorMeta(key, t["dtype"], shape, t["layout"],
-                                  _int(t.get("holders"), w, 0, world), tuple(regions))
+        tensors[key] = TensorMeta(key, t["dtype"], shape, t["layout"], holders, tuple(regions))
 
     objects_raw = body.get("objects")
     _expect(isinstance(objects_raw, list), where, "objects is not a list")
@@ -284,6 +444,66 @@ def _parse(body: Any, where: str) -> Metadata:
                 is not None, where, "bad data_dir")
     _check_structure(body.get("structure"), tensors, where)
     return Metadata(version, save_id, world, tensors, arrays, tuple(objects), body.get("structure"), info)
+
+
+def _parse_tables(raw: Any, world: int, where: str) -> List[RankTable]:
+    """`meshes`: rank tables, each a list of distinct ranks (or -1) no longer than the world."""
+    w = f"{where}.meshes"
+    _expect(isinstance(raw, list), w, "meshes is not a list of rank tables")
+    tables = []
+    for t in raw:
+        _expect(isinstance(t, list) and 1 <= len(t) <= world, w, "rank table malformed")
+        _expect(all(type(r) is int and -1 <= r < world for r in t), w, "rank table entries must be ranks or -1")
+        present = [r for r in t if r >= 0]
+        _expect(len(set(present)) == len(present), w, "a rank appears twice in a rank table")
+        tables.append(RankTable(t))
+    return tables
+
+
+def _parse_grid_tensor(key: str, t: Dict[str, Any], shape: Tuple[int, ...], holders: int,
+                       arrays: Mapping[str, ArrayMeta], tables: List[RankTable], world: int,
+                       w: str) -> TensorMeta:
+    """As strict as the region form: the layout must be valid, its mesh no larger than the world
+    (so generated regions are bounded by the world size), every cell with elements held by a
+    rank, the array the tensor's own shape and dtype, and every writer choice in range."""
+    g = t.get("grid")
+    _expect(isinstance(g, dict), w, "grid is not an object")
+    mesh = _ints(g.get("mesh"), w)
+    dims = g.get("dims")
+    _expect(isinstance(dims, list) and len(dims) == len(mesh), w, "grid dims malformed")
+    dims = tuple(_int(d, w, -1, len(shape) - 1) for d in dims)
+    _expect(valid_layout(shape, mesh, dims) and math.prod(mesh) <= world, w, "grid mesh malformed or larger than the world")
+    table = tables[_int(g.get("ranks"), w, 0, len(tables) - 1)] if tables else None
+    _expect(table is not None and len(table) == math.prod(mesh), w, "grid rank table missing or of the wrong size")
+    split = _int(g.get("split"), w, 0, 1 << 62)
+    name = safe_relative_path(t.get("array"), w)
+    per_region = g.get("region_arrays", False)
+    _expect(per_region in (True, False), w, "grid region_arrays is not a boolean")
+    if not per_region:
+        arr = arrays.get(name)
+        _expect(arr is not None, w, f"grid names unknown array {name!r:.60}")
+        _expect(arr.shape == shape and arr.dtype == t["dtype"], w, "grid array has another shape or dtype")
+    choices, width = None, 1
+    if "choices" in g:
+        width = _int(g.get("choice_bytes"), w, 1, 4)
+        _expect(width in (1, 2, 4) and isinstance(g["choices"], str), w, "grid choices malformed")
+        try:
+            choices = base64.b64decode(g["choices"].encode("ascii"), validate=True)
+        except ValueError:
+            raise _fail(w, "grid choices are not base64") from None
+    grid = GridMeta(name, mesh, dims, table, split, choices, width, per_region)
+    geo = Geometry(shape, dtype_itemsize(t["dtype"]), mesh, dims, table, split)
+    _expect(geo.uncovered().size == 0, w, "a cell of the grid has elements but no holder")
+    if per_region:  # one array per region, each exactly the region's shape
+        for k, lens in enumerate(geo.regions()[2].tolist()):
+            arr = arrays.get(grid.array_of(k))
+            _expect(arr is not None and arr.shape == tuple(lens) and arr.dtype == t["dtype"], w,
+                    f"grid region {k} has no array of its shape")
+    if choices is not None:
+        picks = grid.choice_array()
+        _expect(len(choices) == width * geo.n_regions, w, "grid choices: one per region expected")
+        _expect(bool(np.all(picks < geo.counts[geo.regions()[0]])), w, "grid choice names no holder")
+    return grid_tensor(key, t["dtype"], shape, t["layout"], holders, grid)
 
 
 def _check_structure(node: Any, tensors: Mapping[str, TensorMeta], where: str, depth: int = 0) -> None:

@@ -3,7 +3,10 @@
 `plan_save` turns every rank's manifest (which boxes of which tensors it holds) into who writes
 what where: replicated boxes are written once, big replicated boxes are split so that the
 writes are spread over their holders, and each written box gets a chunk-aligned place in a
-zarr array. `plan_load` turns the metadata and one rank's targets into the sub-boxes to read.
+zarr array. Regular (DTensor) layouts, including plain replicated tensors, are planned once per
+tensor from their layout (plan_grid.py) and stay compact in the plan and the metadata; other
+layouts (FlatShard pieces, user Shards, mixtures) take the general path over explicit boxes.
+`plan_load` turns the metadata and one rank's targets into the sub-boxes to read.
 `assign_readers` picks one reader for bytes several ranks need (zero-redundancy load).
 Nothing here does I/O or talks to other processes: unit tests build "rank 0..N" plans directly.
 """
@@ -12,16 +15,20 @@ from __future__ import annotations
 import bisect
 import gc
 import heapq
-import math
+import operator
 import re
 import zlib
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
+import numpy as np
+
 from .errors import ShardLayoutError, StateMismatchError
-from .metadata import DTYPES, ArrayMeta, RegionMeta, TensorMeta, dtype_itemsize
-from .regions import Box, chunk_count, chunk_grid, find_layout_problem, intersect, volume
+from .manifests import Holding, PackedManifest, RankManifest, TensorManifest, collect, pack_manifest  # noqa: F401
+from .metadata import ArrayMeta, GridMeta, RegionMeta, TensorMeta, dtype_itemsize, grid_tensor
+from .plan_grid import GridPlan, TableCache, assign_batch, try_grid
+from .regions import Box, chunk_count, chunk_grid, find_layout_problem, intersect, refine_chunks, volume
 
 # Replicated boxes at least this big are split among their holders so writes are balanced.
 SPLIT_MIN_BYTES = 1 << 20
@@ -30,19 +37,6 @@ CHUNK_TARGET_BYTES = 16 << 20
 # Per-tensor chunk grids with more than this many chunks per saved region fall back to one zarr
 # array per region (avoids millions of tiny chunk files).
 MAX_CHUNKS_PER_REGION = 16
-
-
-@dataclass(frozen=True)
-class TensorManifest:
-    """What one rank holds of one tensor."""
-    key: str
-    dtype: str
-    shape: Tuple[int, ...]
-    layout: str
-    boxes: Tuple[Box, ...]
-
-
-RankManifest = Tuple[TensorManifest, ...]
 
 
 @dataclass(frozen=True)
@@ -55,126 +49,282 @@ class WriteItem:
 
 
 @dataclass(frozen=True)
+class LocalPlan:
+    """One rank's part of a save plan."""
+    writes: Tuple[WriteItem, ...]
+    creates: Tuple[str, ...]
+    arrays: Mapping[str, ArrayMeta]        # the arrays this rank touches (data-dir relative)
+
+
+@dataclass(frozen=True)
 class SavePlan:
-    writes: Tuple[Tuple[WriteItem, ...], ...]   # per rank
-    creates: Tuple[Tuple[str, ...], ...]        # per rank: arrays whose zarr.json it writes
+    """Grid tensors are kept as layouts: a rank's writes are derived on demand (`rank_part`), so
+    the plan of 16384 ranks x 1000 tensors holds 1000 layouts, not 16M write items."""
     tensors: Mapping[str, TensorMeta]           # array paths relative to the data directory
     arrays: Mapping[str, ArrayMeta]
     bytes_per_rank: Tuple[int, ...]
+    general_writes: Mapping[int, Tuple[WriteItem, ...]] = field(default_factory=dict)  # general path, by rank
+    general_creates: Mapping[int, Tuple[str, ...]] = field(default_factory=dict)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.bytes_per_rank)
+
+    @property
+    def writes(self) -> Tuple[Tuple[WriteItem, ...], ...]:
+        """Per rank (derives every rank's part: for tests and small worlds)."""
+        return tuple(rank_part(self, r).writes for r in range(self.world_size))
+
+    @property
+    def creates(self) -> Tuple[Tuple[str, ...], ...]:
+        return tuple(rank_part(self, r).creates for r in range(self.world_size))
 
 
-def plan_save(manifests: Sequence[RankManifest]) -> SavePlan:
-    # Millions of small tuples at scale: the cyclic GC would rescan them over and over (2x time).
+def rank_part(plan: SavePlan, rank: int) -> LocalPlan:
+    """What `rank` writes and creates, with the arrays it touches: O(tensors) vectorised work."""
+    writes: List[WriteItem] = []
+    creates: List[str] = []
+    for key in sorted(plan.tensors):
+        t = plan.tensors[key]
+        if t.grid is None:
+            continue
+        g = t.grid
+        geo = t.regions.geometry()
+        if g.choices is None and not g.region_arrays:
+            # every region is written by its cell's first holder: look up this rank's cell, O(1)
+            cell = geo.cell_of(g.ranks, rank)
+            if cell < 0 or geo.holders[cell, 0] != rank:
+                continue
+            writes += [WriteItem(key, o, l, g.array, o) for o, l in geo.cell_regions(cell)]
+            if cell == 0:  # region 0 lies in cell 0 (a tensor with elements has a non-empty first cell)
+                creates.append(g.array)
+            continue
+        writers = geo.writers(g.choice_array())
+        mine = np.flatnonzero(writers == rank)
+        if not mine.size:
+            continue
+        _, offsets, lengths = geo.regions()
+        zero = (0,) * len(t.shape)
+        for k, o, l in zip(mine.tolist(), offsets[mine].tolist(), lengths[mine].tolist()):
+            writes.append(WriteItem(key, tuple(o), tuple(l), g.array_of(k), zero if g.region_arrays else tuple(o)))
+            if g.region_arrays:
+                creates.append(g.array_of(k))
+        if writers[0] == rank and not g.region_arrays:
+            creates.append(g.array)
+    writes += plan.general_writes.get(rank, ())
+    creates += plan.general_creates.get(rank, ())
+    touched = {w.array for w in writes} | set(creates)
+    return LocalPlan(tuple(writes), tuple(creates), {a: plan.arrays[a] for a in sorted(touched)})
+
+
+def split_for_ranks(plan: SavePlan) -> Tuple[SavePlan, Optional[List[LocalPlan]]]:
+    """What the coordinator sends: the grid part, the same for every rank (broadcast, ~1 MB at
+    4096 ranks x 1000 tensors), and per rank its general-path part (scatter; None if there is none)."""
+    grid = {k: t for k, t in plan.tensors.items() if t.grid is not None}
+    arrays = {}
+    for t in grid.values():
+        for k in range(len(t.regions) if t.grid.region_arrays else 1):
+            arrays[t.grid.array_of(k)] = plan.arrays[t.grid.array_of(k)]
+    shared = SavePlan(grid, arrays, plan.bytes_per_rank)
+    if not plan.general_writes and not plan.general_creates:
+        return shared, None
+    extras = []
+    for r in range(plan.world_size):
+        writes, creates = plan.general_writes.get(r, ()), plan.general_creates.get(r, ())
+        touched = {w.array for w in writes} | set(creates)
+        extras.append(LocalPlan(writes, creates, {a: plan.arrays[a] for a in sorted(touched)}))
+    return shared, extras
+
+
+def local_plan(shared: SavePlan, extra: Optional[LocalPlan], rank: int) -> LocalPlan:
+    """A rank's part from the broadcast grid part and its scattered general part."""
+    mine = rank_part(shared, rank)
+    if extra is None:
+        return mine
+    return LocalPlan(mine.writes + extra.writes, mine.creates + extra.creates, {**mine.arrays, **extra.arrays})
+
+
+def plan_save(manifests: Sequence, *, regular: bool = True) -> SavePlan:
+    """manifests[r]: rank r's PackedManifest (what saver gathers) or tuple of TensorManifest.
+    regular=False plans every tensor through the general path (the reference in tests)."""
+    # Many small tuples at scale: the cyclic GC would rescan them over and over (2x time).
     was_enabled = gc.isenabled()
     gc.disable()
     try:
-        return _plan_save(manifests)
+        return _plan_save(manifests, regular)
     finally:
         if was_enabled:
             gc.enable()
 
 
-def _plan_save(manifests: Sequence[RankManifest]) -> SavePlan:
+def _check_agreement(key: str, holdings: Sequence[Holding]) -> None:
+    first = holdings[0]
+    for h in holdings[1:]:
+        if h.dtype != first.dtype or h.shape != first.shape:
+            raise ShardLayoutError(
+                f"tensor {key!r}: rank {int(first.ranks[0])} has dtype {first.dtype} shape {list(first.shape)} but "
+                f"rank {int(h.ranks[0])} has dtype {h.dtype} shape {list(h.shape)}; every rank must describe the "
+                f"same global tensor")
+
+
+def _layout_name(holdings: Sequence[Holding]) -> str:
+    layouts = {h.layout for h in holdings}
+    return "flat" if "flat" in layouts else "sharded" if "sharded" in layouts else "replicated"
+
+
+def _plan_save(manifests: Sequence, regular: bool) -> SavePlan:
     world = len(manifests)
-    by_key: Dict[str, List[Tuple[int, TensorManifest]]] = defaultdict(list)
-    for rank, manifest in enumerate(manifests):
-        for item in manifest:
-            by_key[item.key].append((rank, item))
+    by_key = collect(manifests)
+    loads = np.zeros(world, dtype=np.int64)
+    grids: Dict[str, GridPlan] = {}
+    general: Dict[str, List[Tuple[Box, Tuple[int, ...]]]] = {}
+    cache = TableCache()
 
-    loads = [0] * world
-    writes: List[List[WriteItem]] = [[] for _ in range(world)]
-    creates: List[List[str]] = [[] for _ in range(world)]
-    tensors: Dict[str, TensorMeta] = {}
-    arrays: Dict[str, ArrayMeta] = {}
-    units_by_key: Dict[str, List[Tuple[Box, Tuple[int, ...]]]] = {}
-
-    # 1. validate and dedup; boxes held by a single rank are fixed load for that rank.
-    flexible: List[Tuple[int, str, Box, Tuple[int, ...]]] = []
+    # 1. validate; regular layouts are planned per tensor, the rest deduplicated box by box.
+    #    Boxes held by a single rank are fixed load for that rank; shared ones are flexible.
+    flexible: List[tuple] = []
     for key in sorted(by_key):
-        entries = by_key[key]
-        first_rank, first = entries[0]
-        for rank, item in entries[1:]:
-            if item.dtype != first.dtype or item.shape != first.shape:
-                raise ShardLayoutError(
-                    f"tensor {key!r}: rank {first_rank} has dtype {first.dtype} shape {list(first.shape)} but "
-                    f"rank {rank} has dtype {item.dtype} shape {list(item.shape)}; every rank must describe the "
-                    f"same global tensor")
-        holders: Dict[Box, List[int]] = {}
-        for rank, item in entries:
-            for box in item.boxes:
-                holders.setdefault(box, []).append(rank)
-        boxes = list(holders)
-        problem = find_layout_problem(first.shape, boxes)
-        if problem is not None:
-            msg, idx = problem
-            who = ", ".join(f"{_fmt_box(boxes[i])} on ranks {holders[boxes[i]]}" for i in idx[:4])
-            raise ShardLayoutError(f"tensor {key!r}: {msg} ({who}); shards must tile the global shape "
-                                   f"exactly (identical copies are fine)")
-        itemsize = dtype_itemsize(first.dtype)
-        units: List[Tuple[Box, Tuple[int, ...]]] = []
-        for box, ranks in holders.items():
-            for part in _split_for_balance(box, len(ranks), itemsize):
-                units.append((part, tuple(ranks)))
-        units_by_key[key] = units
+        holdings = by_key[key]
+        _check_agreement(key, holdings)
+        gp = try_grid(key, holdings, world, cache, SPLIT_MIN_BYTES, CHUNK_TARGET_BYTES,
+                      MAX_CHUNKS_PER_REGION) if regular else None
+        if gp is not None:
+            grids[key] = gp
+            fixed = gp.writers >= 0
+            loads += np.bincount(gp.writers[fixed], weights=gp.nbytes[fixed], minlength=world).astype(np.int64)
+            flexible += [(-size, key, (j,), gp, idx) for j, (size, idx) in enumerate(gp.batches())]
+            continue
+        units = general[key] = _general_units(key, holdings)
+        itemsize = dtype_itemsize(holdings[0].dtype)
         for part, ranks in units:
             nbytes = volume(part[1]) * itemsize
             if len(ranks) == 1:
                 loads[ranks[0]] += nbytes
             else:
-                flexible.append((nbytes, key, part, ranks))
+                flexible.append((-nbytes, key, part, None, ranks))
 
-    # 2. spread the replicated pieces: largest first, each to its least-loaded holder (LPT).
-    #    One lazy min-heap per holder set (stale entries are refreshed when popped), so a tensor
+    # 2. spread the shared pieces: largest first, each to its least-loaded holder (LPT). A grid
+    #    batch (one row block of every cell of a tensor) is one vectorised step. Single pieces
+    #    (general ones, and a grid batch of one cell: a replicated tensor's row blocks) use one
+    #    lazy min-heap per holder set (stale entries are refreshed when popped), so a tensor
     #    replicated on 4096 ranks costs log(4096), not 4096, per piece.
     writer_of: Dict[Tuple[str, Box], int] = {}
-    heaps: Dict[Tuple[int, ...], List[Tuple[int, int]]] = {}
-    for nbytes, key, part, ranks in sorted(flexible, key=lambda u: (-u[0], u[1], u[2])):
-        heap = heaps.get(ranks)
-        if heap is None:
-            heap = heaps[ranks] = [(loads[r], r) for r in ranks]
-            heapq.heapify(heap)
-        while True:
-            load, rank = heap[0]
-            if load == loads[rank]:
-                break
-            heapq.heapreplace(heap, (loads[rank], rank))
-        loads[rank] += nbytes
-        heapq.heapreplace(heap, (loads[rank], rank))
-        writer_of[(key, part)] = rank
+    heaps: Dict[tuple, List[Tuple[int, int]]] = {}
+    columns: Dict[tuple, Dict[int, int]] = {}
+    for neg, key, part, gp, what in sorted(flexible, key=lambda u: u[:3]):
+        if gp is None:
+            rank = _least_loaded(heaps, what, what, loads)
+            loads[rank] -= neg
+            writer_of[(key, part)] = rank
+        elif len(what) > 1:
+            assign_batch(gp, what, loads)
+        else:
+            k = int(what[0])
+            cell = int(gp.geometry.regions()[0][k])
+            holder_set = (id(gp.table), gp.dims, cell)  # the same for every tensor on this mesh
+            if holder_set not in columns:
+                row = gp.geometry.holders[cell]
+                columns[holder_set] = {r: c for c, r in enumerate(row[row >= 0].tolist())}
+            rank = _least_loaded(heaps, holder_set, columns[holder_set], loads)
+            loads[rank] += gp.nbytes[k]
+            gp.writers[k], gp.choices[k] = rank, columns[holder_set][rank]
+        # the chosen rank's heap entry is now stale; _least_loaded refreshes it when it surfaces
 
     # 3. arrays and chunk grids; every chunk lies inside one written box.
+    tensors: Dict[str, TensorMeta] = {}
+    arrays: Dict[str, ArrayMeta] = {}
+    writes: Dict[int, List[WriteItem]] = defaultdict(list)
+    creates: Dict[int, List[str]] = defaultdict(list)
     used_names: Dict[str, str] = {}
-    for key, units in units_by_key.items():
-        first = by_key[key][0][1]
+    for key in sorted(by_key):
+        holdings = by_key[key]
+        first = holdings[0]
         name = array_name(key, used_names)
-        boxes = [box for box, _ in units]
-        grid = _refine(chunk_grid(first.shape, boxes), first.shape, dtype_itemsize(first.dtype))
-        one_array = chunk_count(first.shape, grid) <= MAX_CHUNKS_PER_REGION * max(1, len(units))
-        regions: List[RegionMeta] = []
-        for i, (box, ranks) in enumerate(sorted(units)):
-            writer = writer_of.get((key, box), ranks[0])
-            if one_array:
-                array, aoffs = name, box[0]
-                if i == 0:
-                    arrays[name] = ArrayMeta(name, first.shape, grid, first.dtype)
-                    creates[writer].append(name)
-            else:
-                array, aoffs = f"{name}/r{i}", (0,) * len(box[0])
-                chunks = _refine(tuple(max(1, l) for l in box[1]), box[1], dtype_itemsize(first.dtype))
-                arrays[array] = ArrayMeta(array, box[1], chunks, first.dtype)
-                creates[writer].append(array)
-            regions.append(RegionMeta(box[0], box[1], array, tuple(aoffs), writer))
-            writes[writer].append(WriteItem(key, box[0], box[1], array, tuple(aoffs)))
-        layouts = {item.layout for _, item in by_key[key]}
-        layout = "flat" if "flat" in layouts else "sharded" if "sharded" in layouts else "replicated"
-        tensors[key] = TensorMeta(key, first.dtype, first.shape, layout, len(by_key[key]), tuple(regions))
-    return SavePlan(tuple(tuple(w) for w in writes), tuple(tuple(c) for c in creates), tensors, arrays,
-                    tuple(loads))
+        n_holders = sum(len(h.ranks) for h in holdings)
+        gp = grids.get(key)
+        if gp is not None:
+            choices, width = gp.choice_bytes()
+            meta = GridMeta(name, gp.mesh, gp.dims, gp.table, SPLIT_MIN_BYTES, choices, width, gp.chunks is None)
+            tensors[key] = grid_tensor(key, first.dtype, first.shape, _layout_name(holdings), n_holders, meta)
+            if gp.chunks is not None:
+                arrays[name] = ArrayMeta(name, first.shape, gp.chunks, first.dtype)
+                continue
+            itemsize = dtype_itemsize(first.dtype)
+            for k, lens in enumerate(map(tuple, gp.geometry.regions()[2].tolist())):
+                chunks = refine_chunks(tuple(max(1, l) for l in lens), lens, itemsize, CHUNK_TARGET_BYTES)
+                arrays[meta.array_of(k)] = ArrayMeta(meta.array_of(k), lens, chunks, first.dtype)
+            continue
+        regions = _place_general(key, first, name, general[key], writer_of, arrays, writes, creates)
+        tensors[key] = TensorMeta(key, first.dtype, first.shape, _layout_name(holdings), n_holders, regions)
+    return SavePlan(tensors, arrays, tuple(loads.tolist()), {r: tuple(w) for r, w in writes.items()},
+                    {r: tuple(c) for r, c in creates.items()})
+
+
+def _least_loaded(heaps: Dict[tuple, List[Tuple[int, int]]], key: tuple, ranks: Iterable[int],
+                  loads: np.ndarray) -> int:
+    """The least-loaded rank of a holder set (lowest rank on ties), from its lazy heap."""
+    heap = heaps.get(key)
+    if heap is None:
+        heap = heaps[key] = [(int(loads[r]), r) for r in ranks]
+        heapq.heapify(heap)
+    while True:
+        load, rank = heap[0]
+        if load == loads[rank]:
+            return rank
+        heapq.heapreplace(heap, (int(loads[rank]), rank))
+
+
+def _general_units(key: str, holdings: Sequence[Holding]) -> List[Tuple[Box, Tuple[int, ...]]]:
+    """Distinct boxes (tiling checked) with their holders, big shared ones split for balance."""
+    first = holdings[0]
+    holders: Dict[Box, List[int]] = {}
+    for h in holdings:
+        for rank, boxes in h.rank_boxes():
+            for box in boxes:
+                holders.setdefault(box, []).append(rank)
+    boxes = list(holders)
+    problem = find_layout_problem(first.shape, boxes)
+    if problem is not None:
+        msg, idx = problem
+        who = ", ".join(f"{_fmt_box(boxes[i])} on ranks {sorted(holders[boxes[i]])}" for i in idx[:4])
+        raise ShardLayoutError(f"tensor {key!r}: {msg} ({who}); shards must tile the global shape "
+                               f"exactly (identical copies are fine)")
+    itemsize = dtype_itemsize(first.dtype)
+    units: List[Tuple[Box, Tuple[int, ...]]] = []
+    for box, ranks in holders.items():
+        for part in _split_for_balance(box, len(ranks), itemsize):
+            units.append((part, tuple(sorted(ranks))))
+    return units
+
+
+def _place_general(key: str, first: Holding, name: str, units, writer_of, arrays, writes, creates
+                   ) -> Tuple[RegionMeta, ...]:
+    boxes = [box for box, _ in units]
+    itemsize = dtype_itemsize(first.dtype)
+    grid = refine_chunks(chunk_grid(first.shape, boxes), first.shape, itemsize, CHUNK_TARGET_BYTES)
+    one_array = chunk_count(first.shape, grid) <= MAX_CHUNKS_PER_REGION * max(1, len(units))
+    regions: List[RegionMeta] = []
+    for i, (box, ranks) in enumerate(sorted(units)):
+        writer = writer_of.get((key, box), ranks[0])
+        if one_array:
+            array, aoffs = name, box[0]
+            if i == 0:
+                arrays[name] = ArrayMeta(name, first.shape, grid, first.dtype)
+                creates[writer].append(name)
+        else:
+            array, aoffs = f"{name}/r{i}", (0,) * len(box[0])
+            chunks = refine_chunks(tuple(max(1, l) for l in box[1]), box[1], itemsize, CHUNK_TARGET_BYTES)
+            arrays[array] = ArrayMeta(array, box[1], chunks, first.dtype)
+            creates[writer].append(array)
+        regions.append(RegionMeta(box[0], box[1], array, tuple(aoffs), writer))
+        writes[writer].append(WriteItem(key, box[0], box[1], array, tuple(aoffs)))
+    return tuple(regions)
 
 
 def _split_for_balance(box: Box, holders: int, itemsize: int) -> List[Box]:
     """Cut a replicated box into row blocks of at least SPLIT_MIN_BYTES (never more blocks than
-    holders), so that LPT can spread big replicated tensors without shredding them."""
+    holders), so that LPT can spread big replicated tensors without shredding them.
+    grids.split_rows is the same rule, vectorised, for regular layouts."""
     offsets, lengths = box
     nbytes = volume(lengths) * itemsize if lengths else 0
     if holders < 2 or not lengths or nbytes < 2 * SPLIT_MIN_BYTES or lengths[0] < 2:
@@ -186,21 +336,6 @@ def _split_for_balance(box: Box, holders: int, itemsize: int) -> List[Box]:
         n = min(step, rows - start)
         out.append(((offsets[0] + start,) + offsets[1:], (n,) + lengths[1:]))
     return out
-
-
-def _refine(grid: Tuple[int, ...], shape: Sequence[int], itemsize: int) -> Tuple[int, ...]:
-    """Divide the dim-0 chunk size by a whole factor until chunks are near CHUNK_TARGET_BYTES."""
-    if not grid:
-        return grid
-    chunk_bytes = volume(grid) * itemsize
-    rows = grid[0]
-    if chunk_bytes <= CHUNK_TARGET_BYTES or rows < 2:
-        return grid
-    want = max(1, rows * CHUNK_TARGET_BYTES // chunk_bytes)
-    for f in range(max(2, -(-rows // want)), rows + 1):
-        if rows % f == 0:
-            return (rows // f,) + tuple(grid[1:])
-    return grid
 
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.=+-]")
@@ -260,6 +395,9 @@ def plan_load(tensors: Mapping[str, TensorMeta], targets: Iterable[TargetSpec]) 
     reads: List[ReadItem] = []
     for t in targets:
         meta = tensors[t.key]
+        if meta.grid is not None:
+            reads += _plan_grid_load(meta, t)
+            continue
         candidates = _RegionIndex(meta.regions)
         for pi, piece in enumerate(t.pieces):
             for region in candidates.overlapping(piece):
@@ -273,6 +411,38 @@ def plan_load(tensors: Mapping[str, TensorMeta], targets: Iterable[TargetSpec]) 
                 t_offs = tuple(io - po for io, po in zip(inter[0], piece[0]))
                 reads.append(ReadItem(t.key, pi, region.array, (a_offs, inter[1]), (t_offs, inter[1]), rbox, inter))
     return reads
+
+
+def _plan_grid_load(meta: TensorMeta, t: "TargetSpec") -> List[ReadItem]:
+    """Against a regular layout: per dimension a bisection finds the overlapping cells, so a
+    piece costs O(overlapping regions), not O(saved regions), and no per-cell arrays are built."""
+    g = meta.grid
+    geo = meta.regions.geometry()
+    out = []
+    for pi, piece in enumerate(t.pieces):
+        p_lo = piece[0]
+        p_hi = tuple(map(operator.add, p_lo, piece[1]))
+        for cell in geo.overlapping_cells(piece):
+            first = int(geo.split[2][cell]) if g.region_arrays else 0  # region index names the array
+            for j, rbox in enumerate(geo.cell_regions(cell)):
+                r_lo = rbox[0]
+                r_hi = tuple(map(operator.add, r_lo, rbox[1]))
+                if all(map(operator.le, p_lo, r_lo)) and all(map(operator.le, r_hi, p_hi)):
+                    inter = rbox  # inside the piece (every region, for a whole-tensor load)
+                else:
+                    lo = tuple(map(max, p_lo, r_lo))
+                    lens = tuple(map(operator.sub, map(min, p_hi, r_hi), lo))
+                    if min(lens) <= 0:
+                        continue
+                    inter = (lo, lens)
+                lo, lens = inter
+                target = (tuple(map(operator.sub, lo, p_lo)), lens)
+                if g.region_arrays:
+                    out.append(ReadItem(t.key, pi, g.array_of(first + j), (tuple(map(operator.sub, lo, r_lo)), lens),
+                                        target, rbox, inter))
+                else:
+                    out.append(ReadItem(t.key, pi, g.array, inter, target, rbox, inter))
+    return out
 
 
 class _RegionIndex:

@@ -11,7 +11,7 @@ import time
 import uuid
 import zlib
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -19,8 +19,9 @@ from . import commit
 from .comm import Comm
 from .errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, IncompleteCheckpointError
 from .flatten import Flat, TensorEntry
-from .metadata import DTYPES, METADATA_FILE, ArrayMeta, Metadata, ObjectFileMeta
-from .planner import RankManifest, SavePlan, TensorManifest, WriteItem, plan_save
+from .metadata import DTYPES, METADATA_FILE, Metadata, ObjectFileMeta
+from .planner import (LocalPlan, RankManifest, SavePlan, TensorManifest, WriteItem, local_plan, pack_manifest,
+                      plan_save, split_for_ranks)
 from .regions import relative
 from .storage import Storage, chunks
 from .storage.errors import StorageError
@@ -37,13 +38,6 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 # ------------------------------------------------------------------ planning (collective)
-
-@dataclass(frozen=True)
-class LocalPlan:
-    writes: Tuple[WriteItem, ...]
-    creates: Tuple[str, ...]
-    arrays: Mapping[str, ArrayMeta]        # the arrays this rank touches (data-dir relative)
-
 
 @dataclass
 class _CachedPlan:
@@ -71,13 +65,8 @@ class PlanCache:
 def manifest_of(flat: Flat) -> RankManifest:
     return tuple(
         TensorManifest(e.key, dtype_name(e.dtype), e.shape, e.layout,
-                       tuple((p.offsets, p.lengths) for p in e.pieces))
+                       tuple((p.offsets, p.lengths) for p in e.pieces), getattr(e, "grid", None))
         for e in sorted(flat.tensors.values(), key=lambda e: e.key))
-
-
-def _local_part(plan: SavePlan, rank: int) -> LocalPlan:
-    touched = {w.array for w in plan.writes[rank]} | set(plan.creates[rank])
-    return LocalPlan(plan.writes[rank], plan.creates[rank], {a: plan.arrays[a] for a in touched})
 
 
 def new_save_id() -> str:
@@ -116,20 +105,27 @@ def plan(comm: Comm, manifest: RankManifest, cache: PlanCache, begin: Callable[[
         save_id, old = comm.run_on_coordinator(begin, "checking the save path")
         return cached.local, cached.full, save_id, old
 
-    gathered = comm.gather(manifest)
-    payloads: Optional[List[Any]] = None
+    # Ranks whose manifest table matches the coordinator's send only their coordinates and
+    # irregular boxes; the grid part of the plan is broadcast, general-path parts scattered.
+    packed = pack_manifest(manifest)
+    reference = comm.broadcast(packed.digest)
+    gathered = comm.gather(packed if comm.is_coordinator or packed.digest != reference else packed.without_table())
+    head: Any = None
+    extras: Optional[List[LocalPlan]] = None
     full: Optional[SavePlan] = None
     if comm.is_coordinator:
         try:
             full = plan_save(gathered)
             save_id, old = begin()
-            payloads = [(True, (_local_part(full, r), save_id, old)) for r in range(comm.world_size)]
+            shared, extras = split_for_ranks(full)
+            head = (True, (shared, extras is not None, save_id, old))
         except Exception as exc:  # noqa: BLE001 - shipped to every rank
-            payloads = [(False, exc)] * comm.world_size
-    ok, value = comm.scatter(payloads)
+            head = (False, exc)
+    ok, value = comm.broadcast(head)
     if not ok:
         raise value
-    local, save_id, old = value
+    shared, has_extras, save_id, old = value
+    local = local_plan(shared, comm.scatter(extras) if has_extras else None, comm.rank)
     cache.put(cache_key, _CachedPlan(fingerprint, local, full))
     return local, full, save_id, old
 

@@ -47,3 +47,15 @@ def test_corrupt_shared_chunk_fails_every_rank(saved, tmp_path):
     assert all("raised" in o and "crc32" in o for o in outs), outs
 
 
+def test_regular_layouts_are_stored_as_grids(saved):
+    """DTensor layouts (and plain tensors) saved by real ranks take the compact path; FlatShard
+    and user Shard boxes keep explicit regions."""
+    import json
+    for w in WORLDS:
+        with open(os.path.join(saved[w], "metadata.json")) as f:
+            tensors = json.load(f)["tensors"]
+        for key in ("replicated", "scalar", "fsdp", "fsdp_bf16", "tp", "mesh2d", "hsdp", "fp8"):
+            assert "grid" in tensors[key], (w, key)
+        assert tensors["fsdp"]["grid"]["mesh"] == [w] and tensors["fsdp"]["grid"]["dims"] == [0]
+        for key in ("flat", "box"):
+            assert "regions" in tensors[key] or w == 1, (w, key)

@@ -1,6 +1,7 @@
-"""Pins the on-disk format v2 (docs/format.md). A change here is a format change: bump
-FORMAT_VERSION and document it instead of editing the expectations. Format 1 checkpoints (one
-written by the v1 code is kept under data/format_v1) must still load and verify."""
+"""Pins the on-disk format v3 (docs/format.md). A change here is a format change: bump
+FORMAT_VERSION and document it instead of editing the expectations. Format 1 and 2 checkpoints
+(written by the code of those versions, kept under data/format_v1 and data/format_v2) must still
+load and verify."""
 import base64
 import json
 import os
@@ -26,22 +27,24 @@ def _save(tmp_path):
 def test_layout_and_metadata(tmp_path):
     root = _save(tmp_path)
     body = json.loads((root / "metadata.json").read_text())
-    assert sorted(body) == ["arrays", "checksum", "format", "info", "objects", "save_id", "structure", "tensors",
-                            "version", "world_size"]
-    assert body["format"] == "bytecheckpoint" and body["version"] == 2 and body["world_size"] == 1
+    assert sorted(body) == ["arrays", "checksum", "format", "info", "meshes", "objects", "save_id", "structure",
+                            "tensors", "version", "world_size"]
+    assert body["format"] == "bytecheckpoint" and body["version"] == 3 and body["world_size"] == 1
     data_dir = body["info"]["data_dir"]
     assert data_dir == f"data-{body['save_id']}" and (root / data_dir).is_dir()
     w = body["tensors"]["model/w"]
     name = f"model.w~{zlib.crc32(b'model/w'):08x}"
+    # a plain tensor is the trivial regular layout: a 1-D mesh of its holders, all replicating
     assert w == {"dtype": "float32", "shape": [3, 4], "layout": "replicated", "holders": 1,
-                 "array": f"{data_dir}/{name}", "regions": [[[0, 0], [3, 4], 0]]}
+                 "array": f"{data_dir}/{name}", "grid": {"mesh": [1], "dims": [-1], "ranks": 0, "split": 1048576}}
+    assert body["meshes"] == [[0]]
     raw = (root / data_dir / name / "c" / "0" / "0").read_bytes()
     assert raw == torch.arange(12, dtype=torch.float32).numpy().tobytes()  # zarr "bytes" codec, little-endian
     arr = body["arrays"][f"{data_dir}/{name}"]
-    # per-block crc32 (1 MiB blocks; this chunk is one block): base64 of little-endian uint32s
+    # per-block crc32 (1 MiB blocks; this chunk is one block), every chunk's blocks in row-major
+    # chunk order in one base64 string of little-endian uint32s
     assert arr == {"path": f"{data_dir}/{name}", "shape": [3, 4], "chunks": [3, 4], "dtype": "float32",
-                   "block_bytes": 1 << 20,
-                   "checksums": {"0.0": base64.b64encode(struct.pack("<I", zlib.crc32(raw))).decode()}}
+                   "block_bytes": 1 << 20, "crc32": base64.b64encode(struct.pack("<I", zlib.crc32(raw))).decode()}
     assert json.loads((root / data_dir / name / "zarr.json").read_text()) == {
         "zarr_format": 3, "node_type": "array", "shape": [3, 4], "data_type": "float32",
         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [3, 4]}},
@@ -111,3 +114,70 @@ def test_format_v1_checkpoint_still_loads_and_verifies(tmp_path):
         assert "big" in str(exc)
     else:
         raise AssertionError("a flipped byte in a v1 chunk was not caught")
+
+
+def test_grid_entry_of_a_sharded_layout():
+    """The compact form of a regular layout: 2 replicas x 2 shards (HSDP), big enough that each
+    shard is cut into 2 row blocks whose writers are recorded as choices."""
+    from bytecheckpoint.manifests import TensorManifest
+    from bytecheckpoint.metadata import ArrayMeta, Metadata
+    from bytecheckpoint.planner import plan_save
+    shape = (1024, 1024)   # float32: 2 MiB per shard -> 2 row blocks of 256 rows
+    ms = []
+    for rank in range(4):
+        rep, shard = divmod(rank, 2)
+        box = ((512 * shard, 0), (512, 1024))
+        ms.append((TensorManifest("w", "float32", shape, "sharded", (box,), ((2, 2), (-1, 0), (rep, shard))),))
+    plan = plan_save(ms)
+    # 256 x 1024 float32 chunks: 1 MiB, one checksum block each
+    arrays = {p: ArrayMeta(a.path, a.shape, a.chunks, a.dtype, {f"{i}.0": (i,) for i in range(4)}, 1 << 20)
+              for p, a in plan.arrays.items()}
+    body = json.loads(Metadata(3, "golden", 4, plan.tensors, arrays, (), {"dict": []}, {}).to_json())
+    assert body["meshes"] == [[0, 1, 2, 3]]
+    w = body["tensors"]["w"]
+    assert w["grid"] == {"mesh": [2, 2], "dims": [-1, 0], "ranks": 0, "split": 1048576, "choice_bytes": 1,
+                         "choices": base64.b64encode(bytes([0, 1, 0, 1])).decode()}
+    assert body["arrays"][w["array"]]["chunks"] == [256, 1024]
+    assert base64.b64decode(body["arrays"][w["array"]]["crc32"]) == struct.pack("<4I", 0, 1, 2, 3)
+    assert [(r.offsets, r.writer) for r in plan.tensors["w"].regions] == [
+        ((0, 0), 0), ((256, 0), 2), ((512, 0), 1), ((768, 0), 3)]
+
+V2 = Path(__file__).parent / "data" / "format_v2"
+
+
+def test_format_v2_checkpoint_still_loads_and_verifies():
+    """Written by the format-2 code (per-block checksums as one base64 string per chunk, regions
+    lists): loads, verifies, and a part of a chunk is still read as the blocks that hold it."""
+    body = json.loads((V2 / "metadata.json").read_text())
+    assert body["version"] == 2 and "meshes" not in body
+    assert all("regions" in t for t in body["tensors"].values())
+    assert all(a["block_bytes"] == 1 << 20 and isinstance(v, str) for a in body["arrays"].values()
+               for v in a["checksums"].values())
+    state = bcp.load(V2, V1_STATE())
+    assert state["step"] == 7 and torch.equal(state["model"]["w"], torch.arange(12.0).view(3, 4))
+    assert torch.equal(state["model"]["b"], torch.arange(3, dtype=torch.bfloat16))
+    assert torch.equal(state["big"], torch.arange(2048.0).view(64, 32))
+    assert bcp.verify(V2).ok and bcp.inspect(V2).format_version == 2
+    part = bcp.Shard(torch.zeros(8, 32), (64, 32), (16, 0))
+    bcp.Checkpointer().load(V2, {"big": part}, strict=False)
+    assert torch.equal(part.local, torch.arange(2048.0).view(64, 32)[16:24])
+
+
+def test_metadata_round_trips_through_every_version(tmp_path):
+    """The same checkpoint written as version 3, 2 and 1 by Metadata.to_json parses back to the
+    same tensors, regions and checksums (grids spelled out as regions before version 3; version 1
+    holds one crc32 per chunk, so it gets whole-chunk values)."""
+    import dataclasses
+    from bytecheckpoint.metadata import Metadata
+    root = _save(tmp_path)
+    md = Metadata.from_json((root / "metadata.json").read_bytes())
+    assert md.version == 3 and md.tensors["model/w"].grid is not None
+    v1_arrays = {p: dataclasses.replace(a, checksums={k: v[0] for k, v in a.checksums.items()}, block_bytes=0)
+                 for p, a in md.arrays.items()}
+    for version, source in ((2, md), (1, dataclasses.replace(md, arrays=v1_arrays))):
+        old = Metadata.from_json(dataclasses.replace(source, version=version).to_json())
+        assert old.version == version and all(t.grid is None for t in old.tensors.values())
+        for k, t in md.tensors.items():
+            assert list(old.tensors[k].regions) == list(t.regions)
+        for p, a in source.arrays.items():
+            assert dict(old.arrays[p].checksums) == dict(a.checksums) and old.arrays[p].block_bytes == a.block_bytes

@@ -71,6 +71,8 @@ def _set(body, path, value):
 
 def _array_of(t):
     """The array a tensor's first region lives in (format: tensor 'array', or per-region name)."""
+    if "grid" in t:
+        return t["array"] + ("/r0" if t["grid"].get("region_arrays") else "")
     r = t["regions"][0]
     return r[3] if len(r) == 5 else t["array"]
 
@@ -78,9 +80,16 @@ def _array_of(t):
 def _rename_array(t, old, new):
     if t.get("array") == old:
         t["array"] = new
-    for r in t["regions"]:
+    for r in t.get("regions", []):
         if len(r) == 5 and r[3] == old:
             r[3] = new
+
+
+def _as_regions(t):
+    """A grid tensor of this single-process checkpoint spelled out in the region form."""
+    if "grid" in t:
+        t.pop("grid")
+        t["regions"] = [[[0] * len(t["shape"]), t["shape"], 0]]
 
 
 WRONG = [None, "x", -1, 1.5, [], {}, True, 2 ** 70, "../outside", [[[[]]]], {"__pickle__": "gASVBQAAAAAAAACMAXiULg=="}]
@@ -128,12 +137,36 @@ def mutations(raw: bytes, outside: str, seed: int, n_random: int, per_field: int
         t = b["tensors"][tensor_key]
         a = b["arrays"][array_key]
         t["shape"], a["shape"], a["chunks"] = shape, shape, chunks
-        t["regions"] = [[[0] * len(shape), shape, 0]]
         t["array"] = array_key
-        out.append((name, encode(b)))
+        out.append((name, encode(b)))  # the grid form (mesh [1]: one region, the whole tensor)
+        _as_regions(t)
+        t["regions"] = [[[0] * len(shape), shape, 0]]
+        out.append((name + "-regions", encode(b)))
     b = copy.deepcopy(body)
+    _as_regions(b["tensors"][tensor_key])
     b["tensors"][tensor_key]["regions"] = b["tensors"][tensor_key]["regions"] * 20000
     out.append(("many-regions", encode(b)))
+    # regular layouts that do not add up: each must be refused, never generate unbounded regions
+    for name, change in (("mesh-larger-than-world", {"mesh": [1 << 20], "dims": [0]}),
+                         ("mesh-table-short", {"mesh": [2], "dims": [0]}),
+                         ("dims-out-of-range", {"dims": [5]}),
+                         ("ranks-index-out-of-range", {"ranks": 7}),
+                         ("choices-garbage", {"choices": "!!notbase64", "choice_bytes": 1}),
+                         ("choices-too-many", {"choices": "AAAA", "choice_bytes": 1}),
+                         ("choices-no-holder", {"choices": "AQ==", "choice_bytes": 1}),
+                         ("region-arrays-missing", {"region_arrays": True}),
+                         ("region-arrays-not-bool", {"region_arrays": 1})):
+        b = copy.deepcopy(body)
+        b["tensors"][tensor_key]["grid"].update(change)
+        out.append((f"grid:{name}", encode(b)))
+    for name, meshes in (("uncovered", [[-1]]), ("rank-twice", [[0, 0]]), ("rank-outside-world", [[3]]),
+                         ("huge-table", [[-1] * 5000])):
+        b = copy.deepcopy(body)
+        b["meshes"] = meshes
+        out.append((f"meshes:{name}", encode(b)))
+    b = copy.deepcopy(body)
+    b["arrays"][array_key]["crc32"] = b["arrays"][array_key]["crc32"] * 3
+    out.append(("crc32-wrong-count", encode(b)))
     # paths that leave the checkpoint
     for name, target in (("dotdot-array", "../outside/secret"), ("dotdot-inner", "data-x/../../outside/secret"),
                          ("absolute-array", os.path.join(outside, "secret")), ("dot-array", "./x"),
@@ -300,10 +333,11 @@ def _judge(cases, results, events, before, base, ckpt):
     # cases that must be refused outright, by every entry point that reads the metadata
     for name, ops in by_case.items():
         if name.startswith(("truncated", "not-json", "deep-nesting", "path:", "objpath:", "checksum-mismatch",
-                            "huge")) and "tilde" not in name:  # '~/x' is a plain key inside the root
+                            "huge", "grid:", "meshes:", "crc32-")) and "tilde" not in name:  # '~/x': a plain key
             for op in ("load", "load_full"):
                 assert ops[op].startswith("error:") or known_gap(name, op, ops[op]), f"{name}: {op} -> {ops[op]}"
-        if name.startswith(("truncated", "not-json", "path:", "objpath:", "checksum-mismatch")) and "tilde" not in name:
+        if name.startswith(("truncated", "not-json", "path:", "objpath:", "checksum-mismatch", "grid:", "meshes:",
+                            "crc32-")) and "tilde" not in name:
             assert ops["inspect"].startswith("error:"), f"{name}: inspect -> {ops['inspect']}"
     return by_case
 
