@@ -1,24 +1,25 @@
 """Planner at scale, in one process: simulated ranks x 1000 tensors, the coordinator's whole job.
 
-    python benchmarks/bench_planner.py [--ranks 64 1024 4096] [--large] [--tensors 1000]
-                                       [--layouts fsdp hsdp replicated]
+    python benchmarks/bench_planner.py [--quick] [--ranks 64 1024 4096] [--large-ranks 16384]
+                                       [--tensors 1000] [--layouts fsdp hsdp replicated]
 
-(~1-2 minutes with --large, which benchmarks/run_all.py passes; ~2.5 GB of memory at 16384 ranks,
-most of it the simulated per-chunk checksums.)
+(~1-2 minutes; ~2.5 GB of memory at 16384 ranks, most of it the simulated per-chunk checksums.
+--quick: 64 and 1024 ranks only.)
 
 What a real save does on the coordinator, step by step, each timed:
   gather    every rank pickles its manifest (bytes per rank are reported), the coordinator
             unpickles all of them (what gather_object does);
   plan      plan_save(gathered);
   metadata  metadata.json built as commit.write_metadata builds it (paths rooted in the data
-            directory, one crc32 per stored chunk) and serialised;
+            directory, the crc32s of every stored chunk's blocks) and serialised;
 and what a load does: parse (Metadata.from_json, the validating parser), then plan_load for one
 rank, same layout and resharded. "cached check" is what a repeated save with an unchanged layout
 does instead of gather + plan (a fingerprint of one rank's manifest, then one all-reduce).
 
 Layouts: fsdp (every tensor row-sharded over all ranks the DTensor way, Shard(0), uneven
 ceil-div split), hsdp (mesh 2 x W/2, Replicate x Shard(0)), replicated (plain tensors on every
-rank, DDP). `--large` adds 16384 ranks (fsdp only). Ends with the targets, met or missed.
+rank, DDP); then fsdp at 16384 ranks. Ends with the targets, met or missed, also as FIGURE lines
+for benchmarks/run_all.py (the limit as the peer: a ratio <= 1 is met).
 """
 from __future__ import annotations
 
@@ -26,13 +27,18 @@ import argparse
 import dataclasses
 import gc
 import hashlib
+import os
 import pickle
 import random
+import sys
 import time
 
 import json
 
 from bytecheckpoint import planner
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from figures import figure  # noqa: E402  (benchmarks/figures.py: the FIGURE lines run_all.py collects)
 from bytecheckpoint.metadata import Metadata, ObjectFileMeta
 from bytecheckpoint.storage.chunks import chunk_name, chunks_in_box
 from bytecheckpoint.planner import TargetSpec, TensorManifest, plan_load, plan_save
@@ -251,54 +257,57 @@ def fmt_row(row: dict) -> str:
 
 
 def targets(rows) -> list:
-    """(target, measured, met) for every target of the planner's performance issue."""
+    """(target, measured, limit, unit, peer): each is met when measured <= limit."""
     by = {(r["layout"], r["ranks"]): r for r in rows}
     out = []
     r = by.get(("fsdp", 4096))
     if r:
-        out.append(("fsdp 4096 ranks: coordinator (gather + plan + metadata) < 5 s", f"{r['coordinator_s']:.2f} s",
-                    r["coordinator_s"] < 5))
-        out.append(("fsdp 4096 ranks: metadata <= 10 MiB", f"{r['metadata_mib']:.1f} MiB", r["metadata_mib"] <= 10))
-        layout_only = r["metadata_mib"] - r["crc_mib"]
-        out.append(("(fsdp 4096 ranks: metadata without the chunk crc32 tables <= 10 MiB)", f"{layout_only:.1f} MiB",
-                    layout_only <= 10))
+        out.append(("planner, fsdp 4096 ranks x 1000 tensors: coordinator (gather + plan + metadata)",
+                    r["coordinator_s"], 5.0, "s", "the 5 s budget"))
+        out.append(("planner, fsdp 4096 ranks: metadata.json", r["metadata_mib"], 10.0, "MiB", "the 10 MiB budget"))
+        out.append(("planner, fsdp 4096 ranks: metadata.json without the chunk checksum tables",
+                    r["metadata_mib"] - r["crc_mib"], 10.0, "MiB", "the 10 MiB budget"))
     r = by.get(("fsdp", 16384))
     if r:
-        out.append(("fsdp 16384 ranks: coordinator < 20 s", f"{r['coordinator_s']:.2f} s", r["coordinator_s"] < 20))
+        out.append(("planner, fsdp 16384 ranks: coordinator", r["coordinator_s"], 20.0, "s", "the 20 s budget"))
     for (layout, world), r in sorted(by.items()):
         if layout == "replicated" and world in (64, 1024):
-            # the planner before compact layouts: 1.80 s (64) and 2.32 s (1024) for plan_save alone
-            base = {64: 1.80, 1024: 2.32}[world]
-            out.append((f"replicated {world} ranks: plan_save no slower than before ({base} s)",
-                        f"{r['plan_s']:.2f} s", r["plan_s"] <= base))
-    worst = max(rows, key=lambda r: max(r["load_s"], r["reshard_load_s"]))
-    t = max(worst["load_s"], worst["reshard_load_s"])
-    out.append(("plan_load for one rank < 0.5 s (worst case above)", f"{t:.3f} s", t < 0.5))
-    worst = max(r["cached_s"] for r in rows)
-    out.append(("cached re-plan check < 0.1 s", f"{worst:.4f} s", worst < 0.1))
+            # the planner before compact layouts (docs/results.md, earlier table): plan_save alone
+            out.append((f"planner, replicated {world} ranks: plan_save", r["plan_s"], {64: 1.80, 1024: 2.32}[world],
+                        "s", "the planner before regular layouts"))
+    t = max(max(r["load_s"], r["reshard_load_s"]) for r in rows)
+    out.append(("planner: plan_load for one rank (worst row)", t, 0.5, "s", "the 0.5 s budget"))
+    out.append(("planner: cached re-plan check (worst row)", max(r["cached_s"] for r in rows), 0.1, "s",
+                "the 0.1 s budget"))
     return out
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ranks", type=int, nargs="+", default=[64, 1024, 4096])
-    ap.add_argument("--large", action="store_true", help="also 16384 ranks (fsdp)")
+    ap.add_argument("--large-ranks", type=int, default=16384, help="an fsdp run at this many ranks (0: none)")
     ap.add_argument("--tensors", type=int, default=1000)
     ap.add_argument("--layouts", nargs="+", default=["fsdp", "hsdp", "replicated"])
+    ap.add_argument("--quick", action="store_true", default=os.environ.get("BCP_BENCH_QUICK") == "1",
+                    help="64 and 1024 ranks only (what run_all.py --quick passes)")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.ranks, args.large_ranks = [64, 1024], 0
     rng = random.Random(0)
     print("| " + " | ".join(c[0] for c in COLUMNS) + " |")
     print("|" + "---|" * len(COLUMNS))
     rows = []
     runs = [(layout, w) for layout in args.layouts for w in args.ranks]
-    if args.large:
-        runs.append(("fsdp", 16384))
+    if args.large_ranks:
+        runs.append(("fsdp", args.large_ranks))
     for layout, world in runs:
         rows.append(run(layout, world, args.tensors, rng))
         print(fmt_row(rows[-1]), flush=True)
-    print("\n| target | measured | |\n|---|---|---|")
-    for name, measured, met in targets(rows):
-        print(f"| {name} | {measured} | {'met' if met else 'MISSED'} |")
+    print("\n| target | measured | limit | |\n|---|---|---|---|")
+    for name, value, limit, unit, peer in targets(rows):
+        print(f"| {name} | {value:.4g} {unit} | {limit:g} {unit} | {'met' if value <= limit else 'MISSED'} |")
+    for name, value, limit, unit, peer in targets(rows):  # for benchmarks/run_all.py
+        figure(name, value, limit, "<= 1", unit=unit, peer_name=peer)
     return 0
 
 
