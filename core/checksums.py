@@ -113,9 +113,11 @@ def _pack_parsed(counts: tuple, checksums: Mapping, blocks: int) -> Optional[np.
     if not counts or len(checksums) != n or n == 0:
         return None
     width = max(1, blocks)
-    if blocks and any(len(v) != blocks for v in checksums.values()):
-        return None
     try:
+        if blocks:
+            lengths = np.fromiter(map(len, checksums.values()), dtype=np.int64, count=n)
+            if lengths.min() != blocks or lengths.max() != blocks:
+                return None
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             nums = np.fromstring(",".join(checksums).replace(".", ","), dtype=np.int64, sep=",")
