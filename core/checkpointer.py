@@ -99,11 +99,17 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ save / load
     def save(self, path, state: Dict[str, Any], *, overwrite: bool = False, async_save: Optional[bool] = None,
-             process_group: Any = _UNSET, storage_options: Any = _UNSET, tier: str = "persistent") -> SaveHandle:
+             process_group: Any = _UNSET, storage_options: Any = _UNSET, tier: str = "persistent",
+             step: Optional[int] = None) -> SaveHandle:
         """Save `state` to `path` from every rank of the process group (collective); see README.
-        tier="local": `path` is a name (e.g. "step_1200") in the local tier (see LocalTier)."""
+        tier="local": `path` is a name (e.g. "step_1200") in the local tier (see LocalTier).
+        step: the training step, recorded in the metadata; restore() orders checkpoints by it
+        (then by when save() was called), and prefers the local tier for the same step."""
         self._check_open()
         t0 = time.perf_counter()
+        if step is not None and (not isinstance(step, int) or isinstance(step, bool)):
+            raise CheckpointError(f"save: step must be an int (the training step) or None, got {step!r}")
+        info = {"captured_unix": time.time(), **({} if step is None else {"step": step})}
         self._pending.raise_finished_failures()
         background = self.options.async_save if async_save is None else bool(async_save)
         comm = self._comm(process_group)
@@ -128,10 +134,11 @@ class Checkpointer:
         data = saver.sources(flat, local.writes)
         handle = SaveHandle(str(path), pending=self._pending)
         if tier == "local":
-            job = local_tier_mod.LocalJob(tier_state, comm, group, name, local, full, save_id, flat.structure, blob)
+            job = local_tier_mod.LocalJob(tier_state, comm, group, name, local, full, save_id, flat.structure, blob,
+                                          info)
             run_sync, start_background = job.run, lambda: (job.run, None)
         else:
-            job = saver.Job(comm, store, local, full, save_id, old_data, flat.structure, overwrite, blob)
+            job = saver.Job(comm, store, local, full, save_id, old_data, flat.structure, overwrite, blob, info=info)
             run_sync, start_background = job.run_sync, lambda: self._persistent_background(job)
         if not background:
             with Workers(self.options.threads) as workers:
@@ -224,7 +231,7 @@ class Checkpointer:
             from .retention import newest_complete
             newest = comm.run_on_coordinator(
                 lambda: newest_complete(self, os.fspath(persistent), storage_options), "finding the newest checkpoint")
-        if local is not None and local[0] is not None and (newest is None or local[2] >= newest[0]):
+        if local is not None and local[0] is not None and (newest is None or _not_older(local[2], newest[0])):
             return self._restore_local(comm, state, strict, allow_pickle, choice=local)
         why = "no local tier" if local is None else local[3]
         if newest is None:
@@ -459,6 +466,14 @@ class Checkpointer:
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointerClosedError("this Checkpointer was closed; create a new one (or use bcp.save/load)")
+
+
+def _not_older(local_key, persistent_key) -> bool:
+    """A local checkpoint is restored unless the persistent one is newer: by training step when
+    both recorded one (a tie goes to the local tier: same state, no remote read), else by key."""
+    if local_key[0] >= 0 and persistent_key[0] >= 0:
+        return local_key[0] >= persistent_key[0]
+    return local_key >= persistent_key
 
 
 def _prepare(state: Dict[str, Any], fsdp1_route: str):

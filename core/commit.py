@@ -27,9 +27,10 @@ RankResult = Tuple[Optional[Tuple[ObjectFileMeta, Dict[str, Dict[str, int]]]], O
 
 
 def write_metadata(store: Storage, full: SavePlan, save_id: str, data_dir: str, world_size: int, structure: Any,
-                   overwrite: bool, old_data: Optional[str], results: List[RankResult]) -> None:
+                   overwrite: bool, old_data: Optional[str], results: List[RankResult],
+                   info: Optional[Dict[str, Any]] = None) -> None:
     """Coordinator: commit if every rank succeeded, else raise naming the failed ranks."""
-    md = build_metadata(store.url, full, save_id, data_dir, world_size, structure, results)
+    md = build_metadata(store.url, full, save_id, data_dir, world_size, structure, results, info)
     if not store.put(METADATA_FILE, md.to_json(), if_absent=not overwrite, durable=True):
         store.delete_prefix(data_dir + "/")  # the losing job leaves nothing behind
         raise CheckpointExistsError(f"another job committed a checkpoint to {store.url!r} while this save was "
@@ -39,8 +40,9 @@ def write_metadata(store: Storage, full: SavePlan, save_id: str, data_dir: str, 
 
 
 def build_metadata(url: str, full: SavePlan, save_id: str, data_dir: str, world_size: int, structure: Any,
-                   results: List[RankResult]) -> Metadata:
-    """The global metadata of a save whose every rank succeeded; else raise naming the failed ranks."""
+                   results: List[RankResult], info: Optional[Dict[str, Any]] = None) -> Metadata:
+    """The global metadata of a save whose every rank succeeded; else raise naming the failed ranks.
+    `info`: more entries for its info object (e.g. the training step and capture time)."""
     failed = [(r, err) for r, (_, err) in enumerate(results) if err is not None]
     if failed:
         detail = "; ".join(f"rank {r}: {e}" for r, e in failed[:8])
@@ -56,7 +58,7 @@ def build_metadata(url: str, full: SavePlan, save_id: str, data_dir: str, world_
         arrays={f"{data_dir}/{p}": rooted(a, data_dir, checksums.get(p, {})) for p, a in full.arrays.items()},
         objects=tuple(res[0] for res, _ in results),
         structure=structure,
-        info={"data_dir": data_dir, "created_unix": time.time(), "torch": torch.__version__,
+        info={**(info or {}), "data_dir": data_dir, "created_unix": time.time(), "torch": torch.__version__,
               "bytes_per_rank": list(full.bytes_per_rank)},
     )
     return md

@@ -116,7 +116,8 @@ def replica_targets(nodes: Sequence[Hashable], replicas: int) -> List[List[int]]
 def choose(candidates: Sequence[Sequence[Tuple[str, str, float, int, Sequence[int]]]]) -> Optional[Tuple[str, str]]:
     """The newest local checkpoint whose every part is held by some current rank.
 
-    candidates[r] lists (name, save_id, created, world size at save, parts held on r's node)."""
+    candidates[r] lists (name, save_id, order key (saver.order_key), world size at save, parts held
+    on r's node)."""
     held: Dict[Tuple[str, str], set] = defaultdict(set)
     info: Dict[Tuple[str, str], Tuple[float, int]] = {}
     for per_rank in candidates:
@@ -191,6 +192,7 @@ class LocalJob:
     save_id: str
     structure: Any
     objects_blob: bytes
+    info: Optional[Dict[str, Any]] = None   # extra metadata info (training step, capture time)
 
     @property
     def data_dir(self) -> str:
@@ -232,7 +234,7 @@ class LocalJob:
         if failed:
             raise CheckpointError(f"local save {self.name!r} failed: {'; '.join(failed[:8])}; nothing was committed")
         md = commit.build_metadata(f"local tier {self.name}", self.full, self.save_id, self.data_dir,
-                                   self.comm.world_size, self.structure, results)
+                                   self.comm.world_size, self.structure, results, self.info)
         holders = {r: [r] + list(targets[r]) for r in range(self.comm.world_size)}
         md = dataclasses.replace(md, info={**md.info, "local": {
             "name": self.name, "holders": {str(r): h for r, h in holders.items()},
@@ -340,7 +342,7 @@ def prune(root: str, keep: int, current: Optional[str] = None) -> List[str]:
             continue
         meta = os.path.join(path, LOCAL_METADATA)
         if os.path.isfile(meta):
-            committed.append((_created(meta), name))
+            committed.append((_order(meta), name))
         else:
             leftovers.append(name)
     committed.sort(reverse=True)
@@ -355,12 +357,12 @@ def prune(root: str, keep: int, current: Optional[str] = None) -> List[str]:
     return removed
 
 
-def _created(meta_path: str) -> float:
+def _order(meta_path: str) -> Tuple[int, float]:
     try:
         with open(meta_path, "rb") as f:
-            return float(json.loads(f.read()).get("info", {}).get("created_unix", 0.0))
-    except (OSError, ValueError, TypeError):
-        return 0.0
+            return saver.order_key(json.loads(f.read()).get("info", {}))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return (-1, 0.0)
 
 
 # ---------------------------------------------------------------------- restoring
@@ -383,7 +385,7 @@ def held_here(tier: LocalTier, node: Hashable) -> List[Tuple[str, str, float, in
             continue
         held_dir = os.path.join(root, name, md.info.get("data_dir", ""), "held")
         parts = sorted(int(p.split("_")[1]) for p in os.listdir(held_dir)) if os.path.isdir(held_dir) else []
-        out.append((name, md.save_id, float(md.info.get("created_unix", 0.0)), md.world_size, parts))
+        out.append((name, md.save_id, saver.order_key(md.info), md.world_size, parts))
     return out
 
 

@@ -133,18 +133,19 @@ def _newest_mtime(path: str) -> float:
     return newest or os.path.getmtime(split_url(path)[2])
 
 
-def newest_complete(ckpt, path: str, storage_options) -> Optional[Tuple[float, str]]:
-    """(save time, path) of `path` itself if it is a complete checkpoint, else of the newest
-    complete checkpoint directly under it; None when there is none."""
+def newest_complete(ckpt, path: str, storage_options) -> Optional[Tuple[Tuple[int, float], str]]:
+    """(order key (saver.order_key), path) of `path` itself if it is a complete checkpoint, else of
+    the newest complete checkpoint directly under it; None when there is none."""
+    from .saver import order_key
     if ckpt.is_checkpoint(path, storage_options=storage_options):
-        return float(ckpt.metadata(path, storage_options=storage_options).info.get("created_unix", 0.0)), path
-    best: Optional[Tuple[float, str]] = None
+        return order_key(ckpt.metadata(path, storage_options=storage_options).info), path
+    best: Optional[Tuple[Tuple[int, float], str]] = None
     for name, has_metadata in _children(ckpt, path, storage_options):
         if not has_metadata:
             continue
         child = _join(path, name)
         try:
-            created = float(ckpt.metadata(child, storage_options=storage_options).info.get("created_unix", 0.0))
+            created = order_key(ckpt.metadata(child, storage_options=storage_options).info)
         except CheckpointError:
             continue
         if best is None or created > best[0]:

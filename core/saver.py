@@ -11,7 +11,7 @@ import time
 import uuid
 import zlib
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -179,6 +179,7 @@ class Job:
     objects_blob: bytes
 
     data_prefix: str = DATA_PREFIX
+    info: Optional[Dict[str, Any]] = None   # extra metadata info (training step, capture time)
 
     @property
     def data_dir(self) -> str:
@@ -190,7 +191,7 @@ class Job:
 
     def _decide(self, results) -> None:
         commit.write_metadata(self.store, self.full, self.save_id, self.data_dir, self.comm.world_size,
-                              self.structure, self.overwrite, self.old_data, results)
+                              self.structure, self.overwrite, self.old_data, results, self.info)
 
     def _write(self, workers: Workers, data: Sequence[torch.Tensor]) -> Tuple[commit.RankResult, Optional[Exception]]:
         try:
@@ -233,3 +234,13 @@ class Job:
 def manifest_and_blob(flat: Flat) -> Tuple[RankManifest, bytes]:
     from . import codec
     return manifest_of(flat), codec.dumps(flat.objects)
+
+
+def order_key(info: Mapping[str, Any]) -> Tuple[int, float]:
+    """How checkpoints are ordered (newest = largest): the training step given to save() (-1 when
+    none was), then when the state was captured (save() was called; the commit time for older
+    checkpoints)."""
+    step = info.get("step")
+    captured = info.get("captured_unix", info.get("created_unix", 0.0))
+    return (int(step) if isinstance(step, int) and not isinstance(step, bool) else -1,
+            float(captured) if isinstance(captured, (int, float)) else 0.0)

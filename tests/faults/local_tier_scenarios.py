@@ -45,9 +45,9 @@ def train(run: str, steps: int, replicas: int, persist_every: int, ranks_per_nod
         ref = full_state(model, optim)
         if rank == 0:
             torch.save(ref, os.path.join(run, "ref", f"step_{step}.pt"))
-        ckpt.save(f"step_{step}", state, tier="local", async_save=True)
+        ckpt.save(f"step_{step}", state, tier="local", async_save=True, step=step)
         if step % persist_every == 0:
-            ckpt.save(os.path.join(run, "persistent", f"step_{step}"), state, async_save=True)
+            ckpt.save(os.path.join(run, "persistent", f"step_{step}"), state, async_save=True, step=step)
         with open(os.path.join(run, "markers", f"step_{step}.{rank}"), "w") as f:
             f.write(str(time.time()))
         time.sleep(0.3)  # room for the test to kill a node between steps
@@ -73,7 +73,7 @@ def resume(run: str, replicas: int, more_steps: int = 2, ranks_per_node: int = 2
     for step in range(state["step"] + 1, state["step"] + 1 + more_steps):
         _step(model, optim, step, rank)
         state["step"] = step
-        ckpt.save(f"step_{step}", state, tier="local")
+        ckpt.save(f"step_{step}", state, tier="local", step=step)
     ckpt.close()
     print(f"rank {rank}: TRAINED ON to step {state['step']}", flush=True)
 

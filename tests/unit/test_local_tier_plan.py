@@ -65,3 +65,17 @@ def test_single_process_local_tier_and_pruning(tmp_path):
     os.makedirs(os.path.join(root, "crashed"))                              # a save that never committed
     assert sorted(prune(root, keep=1)) == ["crashed", "step_2"]
     assert sorted(os.listdir(root)) == ["step_3"]
+
+
+def test_restore_prefers_the_local_tier_for_the_same_step():
+    from bytecheckpoint.checkpointer import _not_older
+    from bytecheckpoint.saver import order_key
+    local = order_key({"step": 3, "captured_unix": 100.0})
+    later_save_same_step = order_key({"step": 3, "captured_unix": 100.2})   # the persistent save of step 3
+    assert _not_older(local, later_save_same_step)                        # same state: no remote read
+    assert not _not_older(local, order_key({"step": 4, "captured_unix": 99.0}))
+    # without steps, the capture time decides; older checkpoints have only their commit time
+    assert order_key({"created_unix": 5.0}) == (-1, 5.0)
+    assert not _not_older(order_key({"captured_unix": 1.0}), order_key({"captured_unix": 2.0}))
+    with pytest.raises(bcp.CheckpointError, match="step must be an int"):
+        bcp.Checkpointer().save("/tmp/never", {"w": 1}, step="3")
