@@ -1,32 +1,40 @@
 """Route ``Accelerator.save_state`` / ``load_state`` model and optimizer state through bytecheckpoint.
 
-Mechanism (see docs/accelerate.md):
+Mechanism (docs/accelerate.md has the whole story):
 
-* ``accelerator.save_state`` / ``load_state`` / ``end_training`` are wrapped on the *instance* (an
-  entry in ``accelerator.__dict__``; the class is untouched). While the original method runs, the
-  accelerator's ``_models`` / ``_optimizers`` lists are swapped for empty lists, so Accelerate
-  itself writes/reads no model or optimizer files on any code path (plain, DDP, FSDP2: for FSDP
-  Accelerate would otherwise save through DCP *before* any hook runs).
-* A save pre-hook and a load pre-hook, registered first in Accelerate's hook dicts, receive the
-  final checkpoint directory (after automatic naming / ``total_limit`` pruning). They put the real
-  lists back (so later user hooks see them) and call ``bytecheckpoint.save`` / ``load`` on
-  ``<dir>/bytecheckpoint`` with every model (unwrapped from DDP / torch.compile) and every
-  optimizer (unwrapped from ``AcceleratedOptimizer``) in ONE state dict, so optimizer state is
-  keyed by parameter name and reshards with the model.
-* Everything else (schedulers, RNG, samplers/dataloader position, GradScaler, custom registered
-  objects, ``automatic_checkpoint_naming`` and ``total_limit``) stays with Accelerate.
+* ``save_state`` / ``load_state`` / ``end_training`` are wrapped on the *instance* (entries in
+  ``accelerator.__dict__``; the class is untouched). While the original method runs, the
+  optimizers list is swapped for an empty one (so Accelerate writes/reads no ``optimizer.bin``)
+  and, for FSDP, the models list too (Accelerate would save/load them through DCP before any
+  hook). Everything else (schedulers, RNG, samplers, GradScaler, registered objects, automatic
+  naming, ``total_limit``) stays with Accelerate.
+* Two pre-hooks per direction: the adapter's *first* hook runs before every user hook and its
+  *last* hook after them. User hooks see Accelerate's real ``models`` / ``weights`` lists; what
+  they pop (e.g. a model they save with ``save_pretrained``) is neither saved nor loaded by
+  bytecheckpoint, exactly as Accelerate would not save or load it.
+* Who writes follows Accelerate (see _routes.py): replicated state (no distributed setup, DDP) is
+  saved by the main process alone (``process_group=bytecheckpoint.LOCAL``, so scripts may call
+  ``save_state`` on the main process only or on every process) and loaded by each process alone;
+  sharded state (FSDP, DTensor parameters), or DDP with ``collective_save=True``, is saved and
+  loaded collectively, with every wait bounded by the checkpointer's ``timeout_s``.
+* The bytecheckpoint save runs after Accelerate has written its own files, so the commit point
+  (``<dir>/bytecheckpoint/metadata.json``) is written last.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
 import re
-from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Dict, List, Optional
 
 import bytecheckpoint as bcp
+from bytecheckpoint.comm import Comm
+
+from . import _compat as compat
+from . import _routes as routes
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +44,7 @@ CHECKPOINT_SUBDIR = "bytecheckpoint"
 _ATTACHMENT_ATTR = "_bytecheckpoint_attachment"
 _WRAPPED_METHODS = ("save_state", "load_state", "end_training")
 _MISSING = object()
-# Files Accelerate writes for models/optimizers when it handles them itself (legacy checkpoints).
+# Files Accelerate writes for models when it handles them itself (checkpoints saved without attach).
 _LEGACY_MODEL_FILES = ("model.safetensors", "pytorch_model.bin")
 
 
@@ -45,41 +53,49 @@ def _key(prefix: str, index: int) -> str:
     return prefix if index == 0 else f"{prefix}_{index}"
 
 
-def _check_supported(accelerator: Any) -> None:
-    from accelerate.utils import DistributedType
+def _contains(items: List[Any], obj: Any) -> bool:
+    return any(x is obj for x in items)
 
-    dtype = accelerator.distributed_type
-    if dtype in (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):
-        raise NotImplementedError(
-            f"accelerate_bytecheckpoint.attach: distributed_type={dtype.value} saves models, "
-            "optimizers and schedulers through its own engine checkpoint; bytecheckpoint cannot "
-            "take them over. Use plain/DDP or FSDP2 (fsdp_version=2), or do not attach."
-        )
-    if dtype == DistributedType.XLA:
-        raise NotImplementedError("accelerate_bytecheckpoint.attach: XLA/TPU is not supported.")
-    if dtype == DistributedType.FSDP and not accelerator.is_fsdp2:
-        raise NotImplementedError(
-            "accelerate_bytecheckpoint.attach: FSDP1 is not supported; set "
-            "FullyShardedDataParallelPlugin(fsdp_version=2) (or `fsdp_version: 2` in the "
-            "accelerate config) so parameters are DTensors that bytecheckpoint can reshard."
-        )
+
+def _strip_compile(model: Any) -> Any:
+    return getattr(model, "_orig_mod", model)  # torch.compile's wrapper; FSDP wrappers are kept
+
+
+@dataclasses.dataclass
+class _Call:
+    """One save_state / load_state call in progress."""
+
+    route: routes.Route
+    models: list                        # Accelerate's real lists
+    optimizers: list
+    standin_optimizers: list            # the empty list Accelerate holds as `optimizers`
+    weights: Optional[list] = None      # save: `weights` before any user hook
+    kept: Optional[List[int]] = None    # save: indexes of the models bytecheckpoint writes
+    directory: Optional[str] = None
+    strict: bool = True
 
 
 class ByteCheckpointAttachment:
     """Handle returned by :func:`attach`. ``remove()`` restores Accelerate's default behaviour."""
 
-    def __init__(self, accelerator: Any, *, async_save: bool, storage_options: dict | None) -> None:
+    def __init__(self, accelerator: Any, checkpointer: "bcp.Checkpointer", *, owns_checkpointer: bool,
+                 async_save: Optional[bool], storage_options: Optional[dict], collective_save: bool) -> None:
         self._accelerator = accelerator
-        self.async_save = bool(async_save)
-        self.storage_options = storage_options
+        self._ckpt = checkpointer
+        self._owns = owns_checkpointer
+        # Per-call arguments for a shared checkpointer (an owned one was built with them).
+        self._overrides: Dict[str, Any] = {}
+        if async_save is not None and not owns_checkpointer:
+            self._overrides["async_save"] = bool(async_save)
+        self._storage: Dict[str, Any] = {}
+        if storage_options is not None and not owns_checkpointer:
+            self._storage["storage_options"] = storage_options
+        self._async = checkpointer.options.async_save if async_save is None else bool(async_save)
+        self.collective_save = bool(collective_save)
+        self._call: Optional[_Call] = None
         self._active = False
-        self._pending: Any = None  # SaveHandle of the last async save, until waited on
-        # While a wrapped save_state/load_state runs: the real lists and the empty stand-ins.
-        self._stash: tuple[list, list] | None = None
-        self._hidden: tuple[list, list] | None = None
-        self._load_strict = True
-        self._previous: dict[str, Any] = {}
-        self._hook_handles: list[Any] = []
+        self._previous: Dict[str, Any] = {}
+        self._hooks: Dict[str, tuple] = {}
 
     # ------------------------------------------------------------------ public
     @property
@@ -87,28 +103,41 @@ class ByteCheckpointAttachment:
         return self._accelerator
 
     @property
+    def checkpointer(self) -> "bcp.Checkpointer":
+        return self._ckpt
+
+    @property
     def active(self) -> bool:
         return self._active
 
     @property
-    def pending(self) -> Any:
-        """The in-flight async ``SaveHandle`` (or ``None``)."""
-        return self._pending
+    def async_save(self) -> bool:
+        return self._async
+
+    @property
+    def storage_options(self) -> Optional[dict]:
+        return self._storage.get("storage_options", self._ckpt.storage_options)
+
+    @property
+    def pending(self) -> List[str]:
+        """Targets of async saves still being written (the checkpointer's pending saves)."""
+        return self._ckpt.pending_paths()
 
     def wait(self) -> None:
-        """Block until the last async save is committed; re-raises its error, once."""
-        handle, self._pending = self._pending, None
-        if handle is not None:
-            handle.wait()
+        """Block until every async save of the checkpointer is committed; re-raises a failure."""
+        self._ckpt.wait()
 
     def remove(self) -> None:
-        """Wait for a pending save, then restore Accelerate's own save/load behaviour."""
+        """Wait for pending saves, then restore Accelerate's own save/load behaviour (and close
+        the checkpointer if the attachment built it)."""
         if not self._active:
             return
         try:
             self.wait()
         finally:
             self._uninstall()
+            if self._owns:
+                self._ckpt.close()
 
     def __enter__(self) -> "ByteCheckpointAttachment":
         return self
@@ -116,11 +145,22 @@ class ByteCheckpointAttachment:
     def __exit__(self, *exc: Any) -> None:
         self.remove()
 
+    def __getstate__(self) -> Dict[str, Any]:
+        """Pickling an attached Accelerator: the copy gets its own checkpointer with the same
+        options (a Checkpointer holds locks and pools and is not copied)."""
+        state = self.__dict__.copy()
+        ckpt = state.pop("_ckpt")
+        state.update(_ckpt_recipe=(dataclasses.asdict(ckpt.options), ckpt.storage_options), _owns=True, _call=None)
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        options, storage_options = state.pop("_ckpt_recipe")
+        self.__dict__.update(state)
+        self._ckpt = bcp.Checkpointer(storage_options=storage_options, **options)
+
     def __repr__(self) -> str:
-        return (
-            f"ByteCheckpointAttachment(active={self._active}, async_save={self.async_save}, "
-            f"pending={self._pending is not None})"
-        )
+        return (f"ByteCheckpointAttachment(active={self._active}, async_save={self._async}, "
+                f"collective_save={self.collective_save}, pending={len(self.pending)})")
 
     # ------------------------------------------------------------- install
     def _install(self) -> None:
@@ -130,22 +170,20 @@ class ByteCheckpointAttachment:
             original = getattr(acc, name)  # bound: the class method or an earlier instance patch
             wrapper = getattr(self, f"_wrapped_{name}")
             acc.__dict__[name] = functools.wraps(original)(functools.partial(wrapper, original))
-        for register, hook, hook_dict in (
-            (acc.register_save_state_pre_hook, self._save_hook, acc._save_model_state_pre_hook),
-            (acc.register_load_state_pre_hook, self._load_hook, acc._load_model_state_pre_hook),
-        ):
-            handle = register(hook)
-            hook_dict.move_to_end(handle.id, last=False)  # run before user hooks
-            self._hook_handles.append(handle)
+        for kind, register in (("save", acc.register_save_state_pre_hook), ("load", acc.register_load_state_pre_hook)):
+            self._hooks[kind] = (register(getattr(self, f"_{kind}_hook_first")),
+                                 register(getattr(self, f"_{kind}_hook_last")))
+            self._order_hooks(kind)
         setattr(acc, _ATTACHMENT_ATTR, self)
         self._active = True
 
     def _uninstall(self) -> None:
         acc = self._accelerator
         self._active = False
-        for handle in self._hook_handles:
-            handle.remove()
-        self._hook_handles.clear()
+        for handles in self._hooks.values():
+            for handle in handles:
+                handle.remove()
+        self._hooks.clear()
         for name, previous in self._previous.items():
             current = acc.__dict__.get(name)
             if getattr(current, "func", None) is None or getattr(current.func, "__self__", None) is not self:
@@ -160,47 +198,205 @@ class ByteCheckpointAttachment:
         if acc.__dict__.get(_ATTACHMENT_ATTR) is self:
             delattr(acc, _ATTACHMENT_ATTR)
 
+    def _order_hooks(self, kind: str) -> None:
+        first, last = self._hooks[kind]
+        compat.move_hook(self._accelerator, kind, first, first=True)
+        compat.move_hook(self._accelerator, kind, last, first=False)
+
     # ------------------------------------------------------------- wrappers
-    @contextmanager
-    def _models_hidden(self) -> Iterator[None]:
+    def _begin(self, kind: str, route: routes.Route) -> _Call:
         acc = self._accelerator
-        real = (acc._models, acc._optimizers)
-        hidden: tuple[list, list] = ([], [])
-        self._stash, self._hidden = real, hidden
-        acc._models, acc._optimizers = hidden
-        try:
-            yield
-        finally:
-            self._stash = self._hidden = None
-            acc._models, acc._optimizers = real
+        self._order_hooks(kind)  # user hooks registered since the last call run between ours
+        models, optimizers = compat.models(acc), compat.optimizers(acc)
+        call = _Call(route, models, optimizers, standin_optimizers=[])
+        compat.set_lists(acc, [] if route.models_before_hooks else models, call.standin_optimizers)
+        self._call = call
+        return call
+
+    def _end(self, call: _Call) -> None:
+        self._call = None
+        compat.set_lists(self._accelerator, call.models, call.optimizers)
 
     def _wrapped_save_state(self, original: Callable, *args: Any, **kwargs: Any) -> Any:
-        if not self._active:
+        if not self._active or self._call is not None:
             return original(*args, **kwargs)
-        # Accelerate may rmtree older checkpoint directories (total_limit) before any hook runs,
-        # and the previous save must be committed before a new one starts.
-        self.wait()
-        with self._models_hidden():
-            return original(*args, **kwargs)
+        # The previous save must be committed before Accelerate may prune folders (total_limit).
+        self._ckpt.wait()
+        call = self._begin("save", routes.route_for(self._accelerator, compat.models(self._accelerator)))
+        try:
+            location = original(*args, **kwargs)
+        finally:
+            self._end(call)
+        if call.directory is None or call.kept is None:
+            raise RuntimeError("accelerate_bytecheckpoint: save_state ran without calling its pre-hooks; models and "
+                               "optimizers were not saved. Was the hook removed by hand? remove() and attach again.")
+        self._save(call)
+        return location
 
     def _wrapped_load_state(self, original: Callable, *args: Any, **kwargs: Any) -> Any:
-        if not self._active:
+        if not self._active or self._call is not None:
             return original(*args, **kwargs)
-        self.wait()  # loading what an async save is still writing must see it committed
-        # `strict` is meant for model.load_state_dict; bytecheckpoint honours it itself (and it
-        # stays in kwargs for Accelerate's loader should a legacy checkpoint be handed back).
-        self._load_strict = bool(kwargs.get("strict", True))
+        acc = self._accelerator
+        self._ckpt.wait()  # loading what an async save of this process is still writing must see it committed
+        route = routes.route_for(acc, compat.models(acc))
+        if self._async and not route.sharded and acc.num_processes > 1:
+            # The main process may have saved alone, asynchronously: everyone waits for it.
+            self._arrive("load_state", route, "(the main process's async save commits first)")
         if (args[0] if args else kwargs.get("input_dir")) is None:
             latest = self._latest_committed()
             if latest is not None:
-                if args:
-                    args = (latest, *args[1:])
-                else:
-                    kwargs = {**kwargs, "input_dir": latest}
-        with self._models_hidden():
+                args, kwargs = ((latest, *args[1:]), kwargs) if args else (args, {**kwargs, "input_dir": latest})
+        call = self._begin("load", route)
+        # `strict` is meant for model.load_state_dict; bytecheckpoint honours it itself.
+        call.strict = bool(kwargs.get("strict", True))
+        try:
             return original(*args, **kwargs)
+        finally:
+            self._end(call)
 
-    def _latest_committed(self) -> str | None:
+    def _wrapped_end_training(self, original: Callable, *args: Any, **kwargs: Any) -> Any:
+        if self._active:
+            self._ckpt.wait()  # an async commit may still need the process group end_training destroys
+        return original(*args, **kwargs)
+
+    # ------------------------------------------------------------------ hooks
+    def _current(self, what: str) -> Optional[_Call]:
+        if not self._active:
+            return None
+        if self._call is None:
+            logger.warning("bytecheckpoint: Accelerator.%s ran without the attached wrapper (called on the class?); "
+                           "Accelerate handles models and optimizers itself this time", what)
+        return self._call
+
+    def _save_hook_first(self, models: list, weights: list, output_dir: str) -> None:
+        call = self._current("save_state")
+        if call is None:
+            return
+        compat.set_lists(self._accelerator, call.models, call.optimizers)  # user hooks see the real lists
+        call.weights = list(weights)
+
+    def _save_hook_last(self, models: list, weights: list, output_dir: str) -> None:
+        call = self._current("save_state")
+        if call is None:
+            return
+        call.directory = os.fspath(output_dir)
+        if call.route.models_before_hooks:  # FSDP: Accelerate builds no weights; every model is saved
+            kept = list(range(len(call.models)))
+        else:
+            before = call.weights or []
+            if len(before) != len(call.models):
+                raise compat.AccelerateCompatError(
+                    f"accelerate_bytecheckpoint: save_state built {len(before)} weights for {len(call.models)} "
+                    f"models (accelerate {compat.version()}); expected one per model.")
+            kept = [i for i, w in enumerate(before) if _contains(weights, w)]
+            foreign = [w for w in weights if not _contains(before, w)]
+            if foreign:
+                logger.warning("bytecheckpoint: %d state dict(s) added to `weights` by a save hook are written by "
+                               "Accelerate itself", len(foreign))
+            weights[:] = foreign  # Accelerate writes none of the models bytecheckpoint saves
+        if self._collective(call.route):
+            kept = self._agree("save_state", call.route, call.directory, kept)
+        call.kept = kept
+
+    def _load_hook_first(self, models: list, input_dir: str) -> None:
+        call = self._current("load_state")
+        if call is not None:
+            compat.set_lists(self._accelerator, call.models, call.optimizers)
+
+    def _load_hook_last(self, models: list, input_dir: str) -> None:
+        call = self._current("load_state")
+        if call is None:
+            return
+        route = call.route
+        if route.models_before_hooks:  # FSDP: Accelerate hands the hooks no models; every model is loaded
+            targets = list(range(len(call.models)))
+        else:
+            targets = [i for i, m in enumerate(call.models) if _contains(models, m)]
+        if route.sharded:
+            self._agree("load_state", route, os.fspath(input_dir))
+        path = os.path.join(os.fspath(input_dir), CHECKPOINT_SUBDIR)
+        if not self._ckpt.is_checkpoint(path, **self._storage):
+            self._hand_back_legacy(call, input_dir, path)
+            return
+        state = self._state(call, targets)
+        group = {} if route.sharded else {"process_group": bcp.LOCAL}
+        self._ckpt.load(path, state, strict=call.strict, **group, **self._storage)
+        loaded = [call.models[i] for i in targets]
+        models[:] = [m for m in models if not _contains(loaded, m)]  # Accelerate loads none of them again
+        step = state.get("accelerator", {}).get("step")
+        if step is not None:
+            self._accelerator.step = int(step)
+        logger.info("bytecheckpoint: models/optimizers loaded from %s", path)
+
+    # ------------------------------------------------------------------ save / load
+    def _collective(self, route: routes.Route) -> bool:
+        return route.sharded or (self.collective_save and self._accelerator.num_processes > 1)
+
+    def _writes(self) -> bool:
+        """Replicated state: the processes Accelerate's own `save()` writes on."""
+        acc = self._accelerator
+        return bool(acc.is_main_process or (acc.project_configuration.save_on_each_node and acc.is_local_main_process))
+
+    def _save(self, call: _Call) -> None:
+        collective = self._collective(call.route)
+        if not collective and not self._writes():
+            return
+        path = os.path.join(call.directory, CHECKPOINT_SUBDIR)
+        group = {} if collective else {"process_group": bcp.LOCAL}
+        self._ckpt.save(path, self._state(call, call.kept), overwrite=True,  # as Accelerate overwrites its files
+                        **group, **self._overrides, **self._storage)
+        logger.info("bytecheckpoint: models/optimizers %s to %s", "saving" if self._async else "saved", path)
+
+    def _state(self, call: _Call, indexes: List[int]) -> Dict[str, Any]:
+        acc = self._accelerator
+        unwrap = _strip_compile if call.route.models_before_hooks else functools.partial(compat.unwrap, acc)
+        state: Dict[str, Any] = {_key("model", i): unwrap(call.models[i]) for i in indexes}
+        for j, optimizer in enumerate(call.optimizers):
+            # AcceleratedOptimizer keeps the real optimizer in `.optimizer`.
+            state[_key("optimizer", j)] = getattr(optimizer, "optimizer", optimizer)
+        # Plain value, stored per rank: ranks added on scale-up get rank 0's step (Accelerate
+        # keeps `step` in the per-rank RNG file, which new ranks do not have).
+        state["accelerator"] = {"step": int(acc.step)}
+        return state
+
+    def _arrive(self, what: str, route: routes.Route, why: str = "") -> Comm:
+        """Every process must reach this point within the checkpointer's timeout_s (bounded)."""
+        comm = Comm(self._ckpt.process_group)
+        timeout = self._ckpt.options.timeout_s
+        try:
+            comm.arrive(timeout, f"accelerator.{what}")
+        except bcp.PeerTimeoutError as exc:
+            hint = ("; or attach without collective_save=True so that the main process saves replicated state alone"
+                    if what == "save_state" and not route.sharded else "")
+            raise bcp.PeerTimeoutError(
+                f"accelerator.{what} with {route.name} state is collective{' ' + why if why else ''}: not every process called it "
+                f"within {timeout:g} s (bytecheckpoint timeout_s, env BCP_TIMEOUT_S). Call it on every process, "
+                f"not only under `if accelerator.is_main_process:`{hint}. [{exc}]") from exc
+        return comm
+
+    def _agree(self, what: str, route: routes.Route, directory: str, kept: Optional[List[int]] = None) -> Any:
+        """Collective routes, before anything is written or read: every process passed the same
+        directory; the models saved are the main process's choice (Accelerate writes weights
+        from the main process, so its hooks decide)."""
+        acc = self._accelerator
+        comm = self._arrive(what, route)
+        views = comm.all_gather((os.path.abspath(directory), kept, bool(acc.is_local_main_process)))
+        if len({v[0] for v in views}) > 1:
+            per_rank = "; ".join(f"rank {r}: {v[0]}" for r, v in enumerate(views))
+            raise bcp.CheckpointError(
+                f"accelerator.{what}: the processes passed different directories ({per_rank}). {route.name} "
+                "state is written and read by every process in one directory: pass the same directory on every "
+                "process, on a file system they all see. Nothing was written or read by bytecheckpoint.")
+        nodes = sum(1 for v in views if v[2])
+        if acc.project_configuration.save_on_each_node and nodes > 1:
+            raise bcp.CheckpointError(
+                f"accelerator.{what}: save_on_each_node=True (node-local directories) with {route.name} state "
+                f"on {nodes} nodes: each node would hold only its own part. Use a shared file system and "
+                "save_on_each_node=False" + ("" if route.sharded else ", or attach without collective_save=True")
+                + ". Nothing was written or read by bytecheckpoint.")
+        return views[0][1]
+
+    def _latest_committed(self) -> Optional[str]:
         """With automatic naming, load_state() resumes from the newest checkpoint_<n> whose
         bytecheckpoint part was committed (an async save cut short by a crash leaves Accelerate's
         files without it); Accelerate itself would pick the newest folder, committed or not."""
@@ -225,118 +421,66 @@ class ByteCheckpointAttachment:
         return None
 
     def _loadable(self, folder: str) -> bool:
-        if bcp.is_checkpoint(os.path.join(folder, CHECKPOINT_SUBDIR), storage_options=self.storage_options):
+        if self._ckpt.is_checkpoint(os.path.join(folder, CHECKPOINT_SUBDIR), **self._storage):
             return True
         return not os.path.isdir(os.path.join(folder, CHECKPOINT_SUBDIR)) and any(
             os.path.exists(os.path.join(folder, name)) for name in _LEGACY_MODEL_FILES
         )
 
-    def _wrapped_end_training(self, original: Callable, *args: Any, **kwargs: Any) -> Any:
-        if self._active:
-            self.wait()  # an async commit still needs the process group end_training destroys
-        return original(*args, **kwargs)
-
-    # ------------------------------------------------------------------ hooks
-    def _take_stash(self, what: str) -> tuple[list, list]:
-        if self._stash is None:
-            raise RuntimeError(
-                f"accelerate_bytecheckpoint: {what} ran without the attached wrapper (e.g. "
-                f"Accelerator.{what}(accelerator, ...) on the class); call "
-                f"accelerator.{what}(...) on the instance, or remove() the attachment first."
-            )
-        models, optimizers = self._stash
-        # Give the real lists back now so hooks registered after ours see them; Accelerate's
-        # own writer/reader already holds the empty stand-ins.
-        self._accelerator._models, self._accelerator._optimizers = models, optimizers
-        return models, optimizers
-
-    def _state(self, models: list, optimizers: list) -> dict[str, Any]:
-        acc = self._accelerator
-        state: dict[str, Any] = {}
-        for i, model in enumerate(models):
-            state[_key("model", i)] = acc.unwrap_model(model, keep_fp32_wrapper=True, keep_torch_compile=False)
-        for i, optimizer in enumerate(optimizers):
-            # AcceleratedOptimizer keeps the real optimizer in `.optimizer`.
-            state[_key("optimizer", i)] = getattr(optimizer, "optimizer", optimizer)
-        # Plain value, stored per rank: ranks added on scale-up get rank 0's step (Accelerate
-        # keeps `step` in the per-rank RNG file, which new ranks do not have).
-        state["accelerator"] = {"step": int(acc.step)}
-        return state
-
-    def _save_hook(self, models: list, weights: list, output_dir: str) -> None:
-        if not self._active:
-            return
-        models, optimizers = self._take_stash("save_state")
-        path = os.path.join(os.fspath(output_dir), CHECKPOINT_SUBDIR)
-        handle = bcp.save(
-            path,
-            self._state(models, optimizers),
-            async_save=self.async_save,
-            # Accelerate overwrites its own files when save_state targets an existing directory.
-            overwrite=True,
-            storage_options=self.storage_options,
-        )
-        if self.async_save:
-            self._pending = handle
-        logger.info("bytecheckpoint: models/optimizers %s to %s", "saving" if self.async_save else "saved", path)
-
-    def _load_hook(self, models: list, input_dir: str) -> None:
-        if not self._active:
-            return
-        real_models, real_optimizers = self._take_stash("load_state")
-        path = os.path.join(os.fspath(input_dir), CHECKPOINT_SUBDIR)
-        if not bcp.is_checkpoint(path, storage_options=self.storage_options):
-            self._hand_back_legacy(models, real_models, real_optimizers, input_dir, path)
-            return
-        state = bcp.load(
-            path,
-            self._state(real_models, real_optimizers),
-            strict=self._load_strict,
-            storage_options=self.storage_options,
-        )
-        step = state.get("accelerator", {}).get("step")
-        if step is not None:
-            self._accelerator.step = int(step)
-        logger.info("bytecheckpoint: models/optimizers loaded from %s", path)
-
-    def _hand_back_legacy(self, models: list, real_models: list, real_optimizers: list, input_dir: str, path: str) -> None:
+    def _hand_back_legacy(self, call: _Call, input_dir: str, path: str) -> None:
         """A checkpoint written without attach: let Accelerate load models/optimizers itself."""
-        from accelerate.utils import DistributedType
-
+        acc = self._accelerator
         has_legacy = any(os.path.exists(os.path.join(input_dir, name)) for name in _LEGACY_MODEL_FILES)
-        if not has_legacy or self._accelerator.distributed_type == DistributedType.FSDP:
-            raise bcp.CheckpointError(
-                f"{input_dir!s} holds no bytecheckpoint checkpoint at {path!s} (and no "
-                "Accelerate model files to fall back to). Save it with an attached accelerator, "
-                "or pass the directory save_state wrote."
-            )
-        logger.warning(
-            "%s has no %s/ checkpoint; loading its models/optimizers with Accelerate's own loader",
-            input_dir,
-            CHECKPOINT_SUBDIR,
-        )
-        # _take_stash succeeded, so _models_hidden is active and self._hidden is set.
-        models.extend(real_models)  # the list Accelerate's loader iterates
-        self._hidden[1].extend(real_optimizers)  # the list object Accelerate bound to `optimizers`
+        if not has_legacy or call.route.models_before_hooks:
+            hint = "Save it with an attached accelerator, or pass the directory save_state wrote."
+            if not call.route.sharded and acc.num_processes > 1:
+                hint = (f"This is process {acc.process_index}. Replicated models and optimizers are written by the "
+                        "main process (and, with ProjectConfiguration(save_on_each_node=True), by each node's local "
+                        "main process) into the directory it passed to save_state: load from that directory on "
+                        "every process (a shared file system), or use save_on_each_node=True for node-local copies.")
+            raise bcp.CheckpointNotFoundError(
+                f"{input_dir!s} holds no bytecheckpoint checkpoint at {path!s} (and no Accelerate model files to "
+                f"fall back to). {hint}")
+        logger.warning("%s has no %s/ checkpoint; loading its models/optimizers with Accelerate's own loader",
+                       input_dir, CHECKPOINT_SUBDIR)
+        call.standin_optimizers.extend(call.optimizers)  # the list object Accelerate bound to `optimizers`
 
 
-def attach(accelerator: Any, *, async_save: bool = False, storage_options: dict | None = None) -> ByteCheckpointAttachment:
+def attach(accelerator: Any, checkpointer: Optional["bcp.Checkpointer"] = None, *, async_save: Optional[bool] = None,
+           storage_options: Optional[dict] = None, collective_save: bool = False) -> ByteCheckpointAttachment:
     """Make ``accelerator.save_state`` / ``load_state`` write and read models and optimizers with
     bytecheckpoint (``<checkpoint dir>/bytecheckpoint``), reshardable to any process count.
 
     Call on every process, after creating the ``Accelerator`` (before or after ``prepare``).
-    With ``async_save=True`` ``save_state`` returns once state is copied out; the write finishes
-    in the background and is waited for by the next ``save_state`` / ``load_state`` /
-    ``end_training`` or ``handle.wait()``. ``handle.remove()`` restores the default behaviour.
+
+    Args:
+        checkpointer: a ``bytecheckpoint.Checkpointer`` to share (not closed by ``remove()``);
+            default: one built with ``Checkpointer.from_env(...)`` and closed by ``remove()``.
+        async_save: ``save_state`` returns once state is copied out; the write finishes in the
+            background and is waited for by the next ``save_state`` / ``load_state`` /
+            ``end_training`` or ``handle.wait()``. Default: the checkpointer's setting.
+        storage_options: for remote storage (endpoint, credentials); default: the checkpointer's.
+        collective_save: DDP / single-device types only: every process writes a balanced share
+            of the replicated state, so ``save_state`` must be called on every process (a missing
+            process is an error after ``timeout_s``). Default: the main process writes alone and
+            ``save_state`` may be called on the main process only or on every process.
     """
+    import accelerate
+
+    if not isinstance(accelerator, accelerate.Accelerator):
+        raise TypeError(f"accelerate_bytecheckpoint.attach expects an accelerate.Accelerator; got {type(accelerator).__name__}")
     if getattr(accelerator, _ATTACHMENT_ATTR, None) is not None:
         raise RuntimeError("accelerate_bytecheckpoint.attach: this Accelerator is already attached; remove() the first handle")
-    for attr in ("_models", "_optimizers", "_save_model_state_pre_hook", "_load_model_state_pre_hook"):
-        if not hasattr(accelerator, attr):
-            raise TypeError(
-                f"accelerate_bytecheckpoint.attach expects an accelerate.Accelerator (missing {attr!r}); got {type(accelerator).__name__}"
-            )
-    _check_supported(accelerator)
-    attachment = ByteCheckpointAttachment(accelerator, async_save=async_save, storage_options=storage_options)
+    compat.check(accelerator)
+    routes.check_supported(accelerator)
+    if checkpointer is None:
+        checkpointer, owns = bcp.Checkpointer.from_env(storage_options=storage_options, async_save=async_save), True
+    elif not isinstance(checkpointer, bcp.Checkpointer):
+        raise TypeError(f"accelerate_bytecheckpoint.attach: checkpointer must be a bytecheckpoint.Checkpointer, got "
+                        f"{type(checkpointer).__name__}")
+    else:
+        owns = False
+    attachment = ByteCheckpointAttachment(accelerator, checkpointer, owns_checkpointer=owns, async_save=async_save,
+                                          storage_options=storage_options, collective_save=collective_save)
     attachment._install()
     return attachment

@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import List
 
 import pytest
 import torch
@@ -48,6 +52,46 @@ def launch(nproc: int, script: str, *args: str, timeout: float = TIMEOUT_S, cuda
     if proc.returncode != 0:
         pytest.fail(f"{script} x{nproc} exited {proc.returncode}:\n{out[-8000:]}")
     return out
+
+
+def launch_nodes(nodes: int, script: str, *args: str, timeout: float = TIMEOUT_S) -> List[str]:
+    """Run `nodes` processes of one process group, each the only (local main) process of its
+    "node" (LOCAL_RANK=0 for all): node-local directories and save_on_each_node on one machine."""
+    port = free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="", WORLD_SIZE=str(nodes),
+               LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), str(REPO)) if p)
+    procs = [subprocess.Popen([sys.executable, str(SCRIPTS / script), *args], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, env={**env, "RANK": str(r)}, start_new_session=True)
+             for r in range(nodes)]
+    outs: List[str] = []
+    failed = None
+    try:
+        deadline = time.monotonic() + timeout
+        for r, proc in enumerate(procs):
+            try:
+                outs.append(proc.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
+            except subprocess.TimeoutExpired:
+                failed = f"rank {r} timed out after {timeout}s"
+                break
+            if proc.returncode != 0:
+                failed = f"rank {r} exited {proc.returncode}"
+                break
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    if failed is not None:
+        tails = [(p.communicate()[0] or "") if i >= len(outs) else outs[i] for i, p in enumerate(procs)]
+        pytest.fail(f"{script} on {nodes} nodes: {failed}:\n" + "\n".join(
+            f"--- rank {i} ---\n{t[-5000:]}" for i, t in enumerate(tails)))
+    return outs
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def load_dump(path: Path) -> dict:
@@ -138,11 +182,12 @@ def test_async_resume_one_proc_to_two_with_mutation_after_save(one_to_two_async:
     print("async save:", info)
 
 
-def test_automatic_naming_total_limit_remove_and_legacy(tmp_path: Path) -> None:
+def test_automatic_naming_total_limit_remove_legacy_and_node_local_dirs(tmp_path: Path) -> None:
     import bytecheckpoint as bcp
 
-    out = launch(2, "auto_naming.py", str(tmp_path / "project"))
-    assert "AUTO_NAMING_OK" in out, out[-4000:]
+    # two single-process "nodes", so that save_on_each_node / node-local directories are real
+    outs = launch_nodes(2, "auto_naming.py", str(tmp_path / "project"))
+    assert "AUTO_NAMING_OK" in outs[0] and "NODE_LOCAL_OK" in outs[0], outs[0][-4000:]
     assert bcp.is_checkpoint(str(tmp_path / "project" / "last" / "bytecheckpoint")), "end_training did not wait"
 
 
@@ -153,27 +198,111 @@ def test_attach_rejects_non_accelerator() -> None:
         attach(object())
 
 
-def run_fsdp2(tmp: Path, save_procs: int, load_procs: int, *extra: str, cuda: bool) -> None:
+def run_fsdp(tmp: Path, save_procs: int, load_procs: int, save_args=(), load_args=(), *, cuda: bool) -> str:
     ckpt, out = tmp / "ckpt", tmp / "out"
     out.mkdir()
-    launch(save_procs, "fsdp2_resume.py", "save", str(ckpt), str(out), *extra, cuda=cuda, timeout=240)
-    launch(load_procs, "fsdp2_resume.py", "load", str(ckpt), str(out), *extra, cuda=cuda, timeout=240)
+    save_out = launch(save_procs, "fsdp_resume.py", "save", str(ckpt), str(out), *save_args, cuda=cuda, timeout=240)
+    launch(load_procs, "fsdp_resume.py", "load", str(ckpt), str(out), *load_args, cuda=cuda, timeout=240)
     saved, loaded = load_dump(out / "saved_0.pt"), load_dump(out / "loaded_0.pt")
-    assert_tensors_equal(loaded["model"], saved["model"], "fsdp2 weights")
-    assert_tensors_equal(loaded["optim"], saved["optim"], "fsdp2 optimizer")
+    assert_tensors_equal(loaded["model"], saved["model"], "fsdp weights")
+    assert_tensors_equal(loaded["optim"], saved["optim"], "fsdp optimizer")
     assert saved["optim"], "no optimizer state was dumped"
     files = os.listdir(ckpt)
     assert not set(files) & set(DEFAULT_FILES), files
     assert not any(f.startswith(("pytorch_model_fsdp", "optimizer_")) for f in files), files
+    return save_out
 
 
-def test_fsdp2_resume_two_to_one_cpu_forced(tmp_path: Path) -> None:
+def test_fsdp2_resume_two_to_one_cpu_forced_and_main_only_save_is_bounded(tmp_path: Path) -> None:
     # Accelerate enables FSDP only on GPU backends; the script forces DistributedType.FSDP with an
     # fsdp_version=2 plugin on CPU/gloo so the DTensor path (sharded save, 2 -> 1 reshard) and
     # Accelerate's FSDP branches of save_state/load_state run here too.
-    run_fsdp2(tmp_path, 2, 1, "--force-cpu", cuda=False)
+    # Then diffusers' `if accelerator.is_main_process: save_state(d)` + wait_for_everyone() with
+    # this sharded state: the main process raises PeerTimeoutError within its timeout_s (5 s),
+    # the other process's barrier fails once the main process has gone; nobody hangs.
+    forced = ("--force-cpu", "--fsdp-version", "2")
+    out = run_fsdp(tmp_path, 2, 1, (*forced, "--main-only-then-fail"), forced, cuda=False)
+    found = re.search(r"MAIN PeerTimeoutError after ([0-9.]+) s: (.*)", out)
+    assert found, out[-6000:]
+    assert 4.5 <= float(found.group(1)) < 60, found.group(0)
+    assert "FSDP state is collective" in found.group(2) and "is_main_process" in found.group(2), found.group(2)
+    assert re.search(r"OTHER ERROR after [0-9.]+ s", out), out[-6000:]
+    assert os.listdir(tmp_path / "ckpt_main_only") == [], "the refused save wrote something"
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 1, reason="FSDP2 through Accelerate needs CUDA GPUs")
+@pytest.mark.skipif(torch.cuda.device_count() < 1, reason="FSDP through Accelerate needs CUDA GPUs")
 def test_fsdp2_resume_gpu(tmp_path: Path) -> None:
-    run_fsdp2(tmp_path, min(torch.cuda.device_count(), 2), 1, cuda=True)
+    run_fsdp(tmp_path, min(torch.cuda.device_count(), 2), 1, ("--fsdp-version", "2"), ("--fsdp-version", "2"),
+             cuda=True)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 1, reason="FSDP through Accelerate needs CUDA GPUs")
+@pytest.mark.parametrize("state_dict_type", ["SHARDED_STATE_DICT", "FULL_STATE_DICT"])
+@pytest.mark.parametrize("load_version", ["1", "2"])
+def test_fsdp1_default_plugin_resume_gpu(tmp_path: Path, state_dict_type: str, load_version: str) -> None:
+    # FullyShardedDataParallelPlugin() with no fsdp_version: Accelerate's default, FSDP1; resumed
+    # on another process count where there are 2 GPUs, as FSDP1 and as FSDP2
+    n = torch.cuda.device_count()
+    run_fsdp(tmp_path, min(n, 2), 1 if n >= 2 else n, ("--state-dict-type", state_dict_type),
+             ("--fsdp-version", load_version), cuda=True)
+
+
+# ---------------------------------------------------------------- calling patterns (diffusers & co)
+
+@pytest.fixture(scope="module")
+def patterns(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("acc_patterns")
+    launch(2, "diffusers_pattern.py", "save", str(out))
+    launch(0, "diffusers_pattern.py", "resume", str(out))
+    return out
+
+
+def assert_same(a, b, what: str) -> None:
+    """Bit-for-bit equality of nested dicts / lists / tensors / plain values."""
+    if torch.is_tensor(a):
+        assert torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b), f"{what} differs"
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), f"{what}: keys {sorted(a)} != {sorted(b)}"
+        for k in a:
+            assert_same(a[k], b[k], f"{what}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), f"{what}: length {len(a)} != {len(b)}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{what}[{i}]")
+    else:
+        assert a == b, f"{what}: {a!r} != {b!r}"
+
+
+@pytest.mark.parametrize("name", ["main", "every", "collective"])
+def test_diffusers_pattern_resumes_bit_for_bit_like_accelerate(patterns: Path, name: str) -> None:
+    # main:       `if accelerator.is_main_process: save_state(d)` then wait_for_everyone()  (diffusers)
+    # every:      save_state(d) on every process                                         (Accelerate, transformers)
+    # collective: attach(acc, collective_save=True), save_state(d) on every process
+    # Saved on 2 processes, resumed on 1, 3 more steps: weights (the hook-saved unet and the
+    # bytecheckpoint-saved text encoder), EMA, optimizer, scheduler, RNG equal Accelerate's own run.
+    reference = load_dump(patterns / "final_default.pt")
+    got = load_dump(patterns / f"final_{name}.pt")
+    assert reference["optimizer"]["state"] and reference["ema"]["steps"] == 7
+    assert_same(got, reference, name)
+
+
+def test_diffusers_pattern_hooks_decide_what_bytecheckpoint_saves(patterns: Path) -> None:
+    import bytecheckpoint as bcp
+
+    info = json.loads((patterns / "save_info.json").read_text())
+    # replicated state: the main process writes alone unless collective_save=True
+    assert info["world_size"] == {"main": 1, "every": 1, "collective": 2}
+    for name in ("main", "every", "collective"):
+        d = patterns / name
+        files = set(os.listdir(d))
+        assert {"unet", "bytecheckpoint", "scheduler.bin", "custom_checkpoint_0.pkl", "random_states_0.pkl"} <= files
+        assert not files & set(DEFAULT_FILES), files
+        assert ("random_states_1.pkl" in files) == (name != "main"), files  # RNG: each calling process, as Accelerate
+        tensors = [t.name for t in bcp.inspect(str(d / "bytecheckpoint")).tensors]
+        # the save hook popped the unet's weights: only the text encoder (model index 0) and the
+        # optimizer are in bytecheckpoint; the unet is in unet/ (save_pretrained)
+        assert any(k.startswith("model/") for k in tensors), sorted(tensors)[:10]
+        assert not any(k.startswith("model_1/") for k in tensors), sorted(tensors)[:10]
+        assert any(k.startswith("optimizer/") for k in tensors)
+    default = set(os.listdir(patterns / "default"))
+    assert {"model.safetensors", "optimizer.bin", "unet"} <= default and "bytecheckpoint" not in default

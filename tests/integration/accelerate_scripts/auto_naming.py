@@ -45,6 +45,63 @@ def same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def zero(model) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+
+
+def node_local_dirs(accelerator, model, opt, step, project_dir: str) -> None:
+    """Processes that pass different directories (per-process temp dirs, node-local disks)."""
+    rank = accelerator.process_index
+    accelerator.project_configuration.automatic_checkpoint_naming = False
+    mine = lambda name: os.path.join(project_dir, f"{name}_{rank}")  # noqa: E731
+
+    # a. replicated state is written by the main process only (as Accelerate writes model files):
+    #    a process loading from a directory the main process did not write gets a clear error
+    handle = attach(accelerator)
+    accelerator.save_state(mine("own"))
+    accelerator.wait_for_everyone()
+    try:
+        accelerator.load_state(mine("own"))
+        assert accelerator.is_main_process, "a process without a checkpoint in its directory loaded one"
+    except bcp.CheckpointNotFoundError as e:
+        assert not accelerator.is_main_process, e
+        assert f"This is process {rank}" in str(e) and "save_on_each_node=True" in str(e), e
+    accelerator.wait_for_everyone()
+
+    # b. save_on_each_node=True: each node's local main process writes its own copy; every node
+    #    then resumes from its node-local directory
+    accelerator.project_configuration.save_on_each_node = True
+    step()
+    w = weights(accelerator, model)
+    accelerator.save_state(mine("node"))
+    zero(model)
+    accelerator.load_state(mine("node"))
+    assert same(weights(accelerator, model), w), "node-local checkpoint not loaded"
+    handle.remove()
+    accelerator.wait_for_everyone()
+
+    # c. a collective save refuses different directories, and node-local directories on several
+    #    nodes, on every process before anything is written
+    handle = attach(accelerator, collective_save=True)
+    accelerator.project_configuration.save_on_each_node = False
+    for directory, expected in ((mine("split"), "different directories"),
+                                (os.path.join(project_dir, "shared"), "save_on_each_node=True")):
+        try:
+            accelerator.save_state(directory)
+            raise AssertionError(f"collective save into {directory} was not refused")
+        except bcp.CheckpointError as e:
+            assert expected in str(e) and "Nothing was written" in str(e), e
+        assert os.listdir(directory) == [], os.listdir(directory)
+        accelerator.project_configuration.save_on_each_node = True
+    accelerator.project_configuration.save_on_each_node = False
+    handle.remove()
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        print("NODE_LOCAL_OK", flush=True)
+
+
 def main() -> int:
     project_dir = sys.argv[1]
     accelerator = Accelerator(
@@ -151,6 +208,10 @@ def main() -> int:
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         print("AUTO_NAMING_OK", flush=True)
+
+    # 7. directories of one process each (launched as 2 single-process "nodes": every process is
+    #    its node's local main)
+    node_local_dirs(accelerator, model, opt, step, project_dir)
 
     # 6. an async save still in flight at end_training: the wrapped end_training waits for the
     #    commit before destroying the process group (the test checks <project>/last is committed)

@@ -144,7 +144,7 @@ def main() -> int:
         accelerator.save_state(args.ckpt)
         info = {"save_state_s": time.perf_counter() - t0}
         if args.mutate_after_save:
-            info["in_flight_at_mutation"] = handle.pending is not None and not handle.pending.done()
+            info["in_flight_at_mutation"] = bool(handle.pending)
             # Training goes on while the write is (possibly) in flight: the checkpoint must hold
             # the state at save_state time, not this.
             _, model, head, opt, head_opt = parts[:5]
