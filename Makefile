@@ -44,3 +44,12 @@ test-frameworks-lightning: $(STAMP)
 	@$(PY) -c "import pytest_rerunfailures, omegaconf, jsonargparse, tensorboardX, pytest_timeout" 2>/dev/null || \
 	  { echo "missing test packages; run: $(PY) -m pip install pytest-rerunfailures omegaconf jsonargparse tensorboardX pytest-timeout"; exit 2; }
 	$(LIGHTNING_SUITE)/run.sh
+
+# ---- accelerate adapter (accelerate engineer) ---------------------------------------------------
+# Accelerate's own checkpoint tests (test_state_checkpointing.py, test_accelerator.py), as shipped
+# and with attach() injected into every Accelerator; counts in docs/accelerate.md. Fetches nothing:
+# the suite and its test dependencies must be present (the script says what is missing).
+ACCELERATE_SUITE ?= ../shared/framework_suites/accelerate
+.PHONY: test-frameworks-accelerate
+test-frameworks-accelerate: $(STAMP)
+	$(PY) tests/integration/accelerate_scripts/framework_suite.py --suite $(ACCELERATE_SUITE)
