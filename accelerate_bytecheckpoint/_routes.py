@@ -19,6 +19,7 @@ DTensors (tensor parallel) are sharded all the same: they take the collective ro
 """
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Iterable, Mapping, Optional
@@ -70,6 +71,11 @@ def route_for(accelerator: Any, models: Iterable[Any]) -> Route:
     route = ROUTES.get(_type_name(accelerator), PER_PROCESS)
     if route.refusal is not None:
         raise NotImplementedError(route.refusal)
+    if route is FSDP and not getattr(accelerator, "is_fsdp2", False) and not engine_has_fsdp1():
+        raise NotImplementedError(
+            "accelerate_bytecheckpoint: FSDP1 models (FullyShardedDataParallelPlugin's default fsdp_version=1) "
+            f"need a bytecheckpoint with FSDP1 support; this one ({_engine_version()}) has none. Upgrade "
+            "bytecheckpoint, or use FullyShardedDataParallelPlugin(fsdp_version=2).")
     if route is PER_PROCESS and _holds_dtensor(models):
         return TENSOR_PARALLEL
     return route
@@ -81,3 +87,14 @@ def _holds_dtensor(models: Iterable[Any]) -> bool:
     except ImportError:  # torch without distributed tensors: nothing is sharded
         return False
     return any(isinstance(p, DTensor) for m in models for p in m.parameters())
+
+
+def engine_has_fsdp1() -> bool:
+    """The engine saves FSDP1 (FullyShardedDataParallel) modules through its flat-shard route."""
+    return importlib.util.find_spec("bytecheckpoint.fsdp1") is not None
+
+
+def _engine_version() -> str:
+    import bytecheckpoint
+
+    return f"bytecheckpoint {getattr(bytecheckpoint, '__version__', '?')}"

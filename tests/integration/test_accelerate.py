@@ -230,6 +230,35 @@ def test_fsdp2_resume_two_to_one_cpu_forced_and_main_only_save_is_bounded(tmp_pa
     assert os.listdir(tmp_path / "ckpt_main_only") == [], "the refused save wrote something"
 
 
+def _engine_has_fsdp1() -> bool:
+    from accelerate_bytecheckpoint import _routes
+
+    return _routes.engine_has_fsdp1()
+
+
+@pytest.mark.skipif(not _engine_has_fsdp1(), reason="this bytecheckpoint has no FSDP1 support (branch fsdp)")
+def test_fsdp1_default_plugin_two_to_one_cpu_forced_into_fsdp1_and_fsdp2(tmp_path: Path) -> None:
+    # Accelerate's default FullyShardedDataParallelPlugin() (fsdp_version=1), forced on CPU/gloo:
+    # saved on 2 processes with SHARDED_STATE_DICT set, and again with FULL_STATE_DICT set;
+    # the first resumes on 1 process as FSDP1, the second as FSDP2.
+    ckpt, full, out = tmp_path / "ckpt", tmp_path / "full", tmp_path / "out"
+    out.mkdir()
+    launch(2, "fsdp_resume.py", "save", str(ckpt), str(out), "--force-cpu", "--state-dict-type", "SHARDED_STATE_DICT",
+           "--also-full-to", str(full), timeout=240)
+    launch(1, "fsdp_resume.py", "load", str(ckpt), str(out), "--force-cpu", "--tag", "fsdp1", timeout=240)
+    launch(1, "fsdp_resume.py", "load", str(full), str(out), "--force-cpu", "--fsdp-version", "2", "--tag", "fsdp2",
+           timeout=240)
+    saved = load_dump(out / "saved_0.pt")
+    assert saved["optim"], "no optimizer state was dumped"
+    for tag in ("fsdp1", "fsdp2"):
+        loaded = load_dump(out / f"loaded_{tag}.pt")
+        assert_tensors_equal(loaded["model"], saved["model"], f"{tag} weights")
+        assert_tensors_equal(loaded["optim"], saved["optim"], f"{tag} optimizer")
+    for d in (ckpt, full):
+        files = os.listdir(d)
+        assert not any(f.startswith(("pytorch_model", "optimizer", "model")) for f in files), files
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 1, reason="FSDP through Accelerate needs CUDA GPUs")
 def test_fsdp2_resume_gpu(tmp_path: Path) -> None:
     run_fsdp(tmp_path, min(torch.cuda.device_count(), 2), 1, ("--fsdp-version", "2"), ("--fsdp-version", "2"),
@@ -245,6 +274,18 @@ def test_fsdp1_default_plugin_resume_gpu(tmp_path: Path, state_dict_type: str, l
     n = torch.cuda.device_count()
     run_fsdp(tmp_path, min(n, 2), 1 if n >= 2 else n, ("--state-dict-type", state_dict_type),
              ("--fsdp-version", load_version), cuda=True)
+
+
+@pytest.mark.skipif(_engine_has_fsdp1(), reason="the engine has FSDP1 support")
+def test_fsdp1_refused_clearly_without_engine_support() -> None:
+    # until the engine's FSDP1 support (branch fsdp) is installed, FSDP1 is refused by name
+    import types
+
+    from accelerate_bytecheckpoint import _routes
+
+    fsdp1 = types.SimpleNamespace(distributed_type=types.SimpleNamespace(name="FSDP"), is_fsdp2=False)
+    with pytest.raises(NotImplementedError, match="FSDP1 .*fsdp_version=2"):
+        _routes.route_for(fsdp1, [])
 
 
 # ---------------------------------------------------------------- calling patterns (diffusers & co)

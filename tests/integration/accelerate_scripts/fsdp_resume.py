@@ -40,6 +40,8 @@ def make_accelerator(args: argparse.Namespace) -> Accelerator:
         # ...in PartialState too, as AcceleratorState does on GPU (every AcceleratorState() made
         # later, e.g. by AcceleratedOptimizer, copies the type from PartialState)
         PartialState().distributed_type = DistributedType.FSDP
+        if args.fsdp_version != 2:  # FSDP1 on CPU wants device_id=cpu; Accelerate's CPU device is cpu:0
+            accelerator.state.device = PartialState().device = torch.device("cpu")
         return accelerator
     # FullyShardedDataParallelPlugin() with no arguments is Accelerate's default: FSDP1
     return Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(**plugin_kwargs))
@@ -54,14 +56,19 @@ def main() -> int:
     p.add_argument("--state-dict-type", default=None)
     p.add_argument("--force-cpu", action="store_true")
     p.add_argument("--main-only-then-fail", action="store_true")
+    p.add_argument("--also-full-to", default=None, help="save: then save again with FULL_STATE_DICT set on the model")
+    p.add_argument("--tag", default="0", help="load: dump to loaded_<tag>.pt")
     args = p.parse_args()
     mode, ckpt, out = args.mode, args.ckpt, args.out
     accelerator = make_accelerator(args)
     assert accelerator.is_fsdp2 == (args.fsdp_version == 2), (accelerator.is_fsdp2, args.fsdp_version)
     set_seed(1 if mode == "save" else 2)
     model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model, opt = accelerator.prepare(model, opt)
+    if accelerator.is_fsdp2:  # FSDP2: model and optimizer prepared together
+        model, opt = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    else:  # FSDP1: the optimizer is built on the prepared model's parameters
+        model = accelerator.prepare(model)
+        opt = accelerator.prepare(torch.optim.AdamW(model.parameters(), lr=1e-2))
     assert accelerator.distributed_type == DistributedType.FSDP, accelerator.distributed_type  # still, after prepare
     handle = attach(accelerator)
     if mode == "save":
@@ -72,15 +79,21 @@ def main() -> int:
             opt.zero_grad()
     else:
         accelerator.load_state(ckpt)
-    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    # FSDP1 on CPU cannot offload what is already on the CPU
+    full = StateDictOptions(full_state_dict=True, cpu_offload=accelerator.device.type != "cpu")
     dump = {
         "model": get_model_state_dict(model, options=full),
         "optim": get_optimizer_state_dict(model, opt.optimizer, options=full).get("state", {}),  # full: rank 0 only
     }
     if mode == "save":
         accelerator.save_state(ckpt)
+        if args.also_full_to:  # the state dict type Accelerate set on the FSDP1 module must not matter
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, StateDictType
+            FSDP.set_state_dict_type(model, StateDictType.FULL_STATE_DICT)
+            accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")
+            accelerator.save_state(args.also_full_to)
     if accelerator.is_main_process:
-        torch.save(dump, os.path.join(out, "saved_0.pt" if mode == "save" else "loaded_0.pt"))
+        torch.save(dump, os.path.join(out, "saved_0.pt" if mode == "save" else f"loaded_{args.tag}.pt"))
     handle.remove()
     accelerator.wait_for_everyone()
     if args.main_only_then_fail:
