@@ -61,6 +61,11 @@ def _strip_compile(model: Any) -> Any:
     return getattr(model, "_orig_mod", model)  # torch.compile's wrapper; FSDP wrappers are kept
 
 
+def _save_on_each_node(accelerator: Any) -> bool:
+    # ProjectConfiguration.save_on_each_node exists from accelerate 0.21 (older ones save on the main process only)
+    return bool(getattr(accelerator.project_configuration, "save_on_each_node", False))
+
+
 @dataclasses.dataclass
 class _Call:
     """One save_state / load_state call in progress."""
@@ -335,7 +340,7 @@ class ByteCheckpointAttachment:
     def _writes(self) -> bool:
         """Replicated state: the processes Accelerate's own `save()` writes on."""
         acc = self._accelerator
-        return bool(acc.is_main_process or (acc.project_configuration.save_on_each_node and acc.is_local_main_process))
+        return bool(acc.is_main_process or (_save_on_each_node(acc) and acc.is_local_main_process))
 
     def _save(self, call: _Call) -> None:
         collective = self._collective(call.route)
@@ -388,7 +393,7 @@ class ByteCheckpointAttachment:
                 "state is written and read by every process in one directory: pass the same directory on every "
                 "process, on a file system they all see. Nothing was written or read by bytecheckpoint.")
         nodes = sum(1 for v in views if v[2])
-        if acc.project_configuration.save_on_each_node and nodes > 1:
+        if _save_on_each_node(acc) and nodes > 1:
             raise bcp.CheckpointError(
                 f"accelerator.{what}: save_on_each_node=True (node-local directories) with {route.name} state "
                 f"on {nodes} nodes: each node would hold only its own part. Use a shared file system and "

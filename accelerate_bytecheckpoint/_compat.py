@@ -22,7 +22,7 @@ from typing import Any
 import accelerate
 
 #: Accelerate versions the adapter is tested with (docs/accelerate.md, "Accelerate versions").
-TESTED = "0.26.0 to 1.15.0"
+TESTED = "1.6.0 to 1.15.0 (1.1 to 1.5: without FSDP2, which Accelerate adds in 1.6)"
 
 _HOOK_DICTS = {"save": "_save_model_state_pre_hook", "load": "_load_model_state_pre_hook"}
 _NEEDED = {

@@ -194,7 +194,9 @@ def main() -> int:
     names = sorted(os.listdir(ckpts))
     assert names == ["checkpoint_2", newest], names
     files = set(os.listdir(os.path.join(ckpts, newest)))
-    assert {"model.safetensors", "optimizer.bin"} <= files and CHECKPOINT_SUBDIR not in files, files
+    # model.safetensors (pytorch_model.bin before accelerate 0.25 made safetensors the default)
+    assert files & {"model.safetensors", "pytorch_model.bin"} and "optimizer.bin" in files, files
+    assert CHECKPOINT_SUBDIR not in files, files
     legacy_w = weights(accelerator, model)
 
     # 5. attached again: a default-format checkpoint still loads (through Accelerate)
