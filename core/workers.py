@@ -21,7 +21,7 @@ class Workers:
     def map(self, fn: Callable[..., Any], items: Sequence) -> Iterator:
         """fn(*item) for tuples, fn(item) otherwise; all submitted at once, results in order."""
         call = (lambda a: fn(*a) if isinstance(a, tuple) else fn(a))
-        if len(items) <= 1 or self._threads == 1:
+        if not items or self._threads == 1:
             return map(call, items)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=self._threads, thread_name_prefix=self._name)

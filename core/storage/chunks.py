@@ -88,8 +88,19 @@ class PendingWrite:
     futures: List[Tuple[str, object]] = field(default_factory=list)
     checksums: Dict[str, Tuple[int, ...]] = field(default_factory=dict)
     nbytes: int = 0
+    started: List[Tuple[str, str, object]] = field(default_factory=list)  # (chunk name, key, result iterator)
 
     def finish(self, what: str) -> Dict[str, Tuple[int, ...]]:
+        # writes run on the workers meanwhile: the caller starts every array's writes before waiting
+        for name, key, results in self.started:
+            try:
+                nbytes, crc, fut = next(results)
+            except Exception as exc:  # noqa: BLE001 - name the tensor and the chunk
+                raise CheckpointError(f"writing {what} ({key}) failed: {exc}") from exc
+            self.checksums[name] = crc
+            self.nbytes += nbytes
+            self.futures.append((key, fut))
+        self.started.clear()
         for key, fut in self.futures:
             try:
                 fut.result()
@@ -126,11 +137,8 @@ def start_write(storage, workers, meta: ArrayMeta, array_offsets: Sequence[int],
     if not box[1]:  # 0-d array: a single chunk
         encoded.append(((), bits))
     keys = [chunk_key(meta.path, index) for index, _ in encoded]
-    for (index, _), key, (nbytes, crc, fut) in zip(encoded, keys, workers.map(
-            lambda k, p: _write_one(storage, k, p), [(k, p) for k, (_, p) in zip(keys, encoded)])):
-        pending.checksums[chunk_name(index)] = crc
-        pending.nbytes += nbytes
-        pending.futures.append((key, fut))
+    results = workers.map(lambda k, p: _write_one(storage, k, p), [(k, p) for k, (_, p) in zip(keys, encoded)])
+    pending.started.extend((chunk_name(index), key, results) for (index, _), key in zip(encoded, keys))
     return pending
 
 
