@@ -71,36 +71,48 @@ def worker(args: argparse.Namespace) -> None:
     opt.step()  # Adam moments exist
     opt.zero_grad()
 
-    def timed(fn) -> float:
+    cpu: dict = {}
+
+    def timed(fn, what: str = "") -> float:
+        """Wall seconds, max over ranks; CPU seconds of this process (all its threads), summed over
+        ranks, into cpu[what] (steadier than wall time on a machine shared with other jobs)."""
         accelerator.wait_for_everyone()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         fn()
-        dt = torch.tensor(time.perf_counter() - t0, dtype=torch.float64)
+        both = torch.tensor([time.perf_counter() - t0, time.process_time() - c0], dtype=torch.float64)
         if dist.is_initialized():
-            dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-        return float(dt)
+            wall = both[:1].clone()
+            dist.all_reduce(wall, op=dist.ReduceOp.MAX)
+            dist.all_reduce(both, op=dist.ReduceOp.SUM)
+            both[0] = wall[0]
+        cpu[what] = float(both[1])
+        return float(both[0])
 
     # One engine per configuration for the whole run, as in training (a passed Checkpointer is not
     # closed by remove(): its staging pool stays allocated between saves).
     engines = {c: bcp.Checkpointer.from_env(async_save=ATTACH[c].get("async_save")) for c in CONFIGS[1:]}
-    times: dict[str, dict[str, list[float]]] = {c: {"save": [], "commit": [], "load": []} for c in CONFIGS}
+    times: dict[str, dict[str, list[float]]] = {
+        c: {"save": [], "commit": [], "load": [], "save_cpu": [], "load_cpu": []} for c in CONFIGS}
     sizes: dict[str, int] = {}
     for rep in range(-1, args.repeats):  # rep -1: warm-up round (first-touch of pools and files), not timed
         for config in CONFIGS:
             path = os.path.join(args.dir, f"{config.replace(' ', '_')}_{rep}")
             handle = None if config == "default" else attach(
                 accelerator, engines[config], collective_save=ATTACH[config].get("collective_save", False))
-            t_save = timed(lambda: accelerator.save_state(path))
-            t_commit = t_save + (timed(handle.wait) if handle is not None else 0.0)
+            t_save = timed(lambda: accelerator.save_state(path), "save")
+            t_commit = t_save + (timed(handle.wait, "wait") if handle is not None else 0.0)
+            save_cpu = cpu["save"] + (cpu["wait"] if handle is not None else 0.0)
             if accelerator.is_main_process:
                 sizes[config] = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
-            t_load = timed(lambda: accelerator.load_state(path))
+            t_load = timed(lambda: accelerator.load_state(path), "load")
             if handle is not None:
                 handle.remove()
             if rep >= 0:
                 times[config]["save"].append(t_save)
                 times[config]["commit"].append(t_commit)
                 times[config]["load"].append(t_load)
+                times[config]["save_cpu"].append(save_cpu)
+                times[config]["load_cpu"].append(cpu["load"])
             accelerator.wait_for_everyone()
             if accelerator.is_main_process:
                 shutil.rmtree(path)
@@ -128,6 +140,8 @@ def table(result: dict) -> str:
         ("save_state (blocking)", "save"),
         ("save_state until committed", "commit"),
         ("load_state", "load"),
+        ("CPU-s: save until committed", "save_cpu"),
+        ("CPU-s: load_state", "load_cpu"),
     ]
     bcp = CONFIGS[1:]
     head = (f"| {'operation':<28} | " + " | ".join(f"{c:>9}" for c in CONFIGS) + " | "
