@@ -133,12 +133,15 @@ def train(args: argparse.Namespace) -> None:
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             if not resuming and trainer.global_step == args.stop_at:
-                if trainer.is_global_zero and hasattr(io, "checkpointer"):
+                if hasattr(io, "checkpointer"):
                     # The story is the resume: the node is lost once the save in flight has
                     # committed (under DDP the main process writes it alone, like Lightning's own
-                    # default). A loss in the middle of a save is covered by tests/faults: an
-                    # uncommitted checkpoint is never loaded, the previous one is.
-                    io.checkpointer.wait()
+                    # default; the other process waits for it, or the launcher would stop the main
+                    # one as soon as it dies). A loss in the middle of a save is covered by
+                    # tests/faults: an uncommitted checkpoint is never loaded, the previous one is.
+                    if trainer.is_global_zero:
+                        io.checkpointer.wait()
+                    trainer.strategy.barrier("node-loss")
                 task.lose_this_node(log if trainer.is_global_zero else None, trainer.global_step)
 
     io = make_checkpoint_io(args.checkpoint_io)
