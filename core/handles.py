@@ -10,6 +10,22 @@ from typing import Dict, List, Optional
 from .errors import CheckpointError
 
 
+def _at_exit(fn) -> None:
+    """Run `fn` at interpreter exit *before* the thread pools shut down: a save in flight still
+    submits its later stages (write, commit) to the engine's pools, which refuse new work once
+    `concurrent.futures` has run its own exit hook (plain `atexit` runs after it). CPython's
+    `threading._register_atexit` is the hook `concurrent.futures` itself uses; plain `atexit`
+    where it is missing."""
+    register = getattr(threading, "_register_atexit", None)
+    try:
+        if register is not None:
+            register(fn)
+            return
+    except RuntimeError:  # already shutting down
+        pass
+    atexit.register(fn)
+
+
 class SaveHandle:
     """Returned by save(). wait() blocks until committed and re-raises a background failure."""
 
@@ -42,7 +58,8 @@ class PendingSaves:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._handles: List[SaveHandle] = []
-        atexit.register(self.report_at_exit)
+        self._closed = False
+        _at_exit(self.report_at_exit)
 
     def add(self, handle: SaveHandle) -> None:
         with self._lock:
@@ -81,10 +98,13 @@ class PendingSaves:
                 raise CheckpointError(f"an earlier async save to {h.path!r} failed: {exc}") from exc
 
     def close(self) -> None:
+        self._closed = True
         atexit.unregister(self.report_at_exit)
 
     def report_at_exit(self) -> None:
         """Never exit with a save in flight, and never drop a failure nobody waited for."""
+        if self._closed:
+            return
         handles = self.handles()
         running = sum(1 for h in handles if not h.done())
         if running:

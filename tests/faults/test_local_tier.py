@@ -42,6 +42,14 @@ def _newest_committed(node_dir: str):
     return best[1] if best else None
 
 
+def _wait_persistent(job: Job, path: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not bcp.is_checkpoint(path):
+        if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in job.procs):
+            raise AssertionError(f"persistent checkpoint {path} not committed in {timeout}s:\n{job.describe()}")
+        time.sleep(0.05)
+
+
 def _lose_node_1(tmp_path, replicas: int):
     rng = random.Random(SEED + replicas)
     kill_at = rng.randint(3, STEPS - 2)
@@ -50,6 +58,9 @@ def _lose_node_1(tmp_path, replicas: int):
                                                  "persist_every": 3})
     try:
         _wait_step(job, run_dir, kill_at, 4, timeout=150)
+        # the persistent save of step 3 is asynchronous: the fallback story needs it committed
+        # before the node is lost (otherwise there is honestly nothing to fall back to)
+        _wait_persistent(job, os.path.join(run_dir, "persistent", "step_3"), timeout=60)
         job.kill([2, 3])
         shutil.rmtree(os.path.join(run_dir, "local", "node1"))   # node 1's disk is gone too
     finally:
