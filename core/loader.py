@@ -106,20 +106,26 @@ def target_view(piece: torch.Tensor, box) -> torch.Tensor:
     return piece[tuple(slice(o, o + n) for o, n in zip(offs, lens))]
 
 
+def full_target(md: Metadata, key: str) -> Tuple[torch.Tensor, TargetSpec]:
+    """A new tensor for the whole of a saved tensor, and its load target (sizes checked first:
+    the metadata is untrusted input)."""
+    meta = md.tensors[key]
+    stored = sum(math.prod(r.lengths) for r in meta.regions) * max(1, dtype_itemsize(meta.dtype))
+    if meta.nbytes > stored or meta.nbytes > _physical_memory():
+        raise CheckpointError(f"tensor {key!r}: metadata claims shape {list(meta.shape)} ({meta.nbytes} bytes), "
+                              f"more than is stored or fits in memory; the checkpoint is damaged")
+    t = torch.empty(meta.shape, dtype=torch_dtype(meta.dtype))
+    return t, TargetSpec(key, meta.dtype, meta.shape, (((0,) * len(meta.shape), meta.shape),))
+
+
 def read_full_tensors(store: Storage, workers: Workers, md: Metadata, keys: Sequence[str]) -> Dict[str, torch.Tensor]:
     out: Dict[str, torch.Tensor] = {}
     reads: List[ReadItem] = []
     dest: List[torch.Tensor] = []
     targets = []
     for key in keys:
-        meta = md.tensors[key]
-        stored = sum(math.prod(r.lengths) for r in meta.regions) * max(1, dtype_itemsize(meta.dtype))
-        if meta.nbytes > stored or meta.nbytes > _physical_memory():
-            raise CheckpointError(f"tensor {key!r}: metadata claims shape {list(meta.shape)} ({meta.nbytes} bytes), "
-                                  f"more than is stored or fits in memory; the checkpoint is damaged")
-        t = torch.empty(meta.shape, dtype=torch_dtype(meta.dtype))
-        out[key] = t
-        targets.append(TargetSpec(key, meta.dtype, meta.shape, (((0,) * len(meta.shape), meta.shape),)))
+        out[key], spec = full_target(md, key)
+        targets.append(spec)
     for r in plan_load(md.tensors, targets):
         reads.append(r)
         dest.append(target_view(out[r.key], r.target_box))
@@ -194,17 +200,32 @@ def load(comm: Comm, store: Storage, workers: Workers, md: Metadata, state: Dict
     def prepare():
         flat = flatten_for_load(state, md.structure, fsdp1_route)
         missing, _ = _check_keys(flat, md, strict)
+        saved = structure_leaves(md.structure)
+        # a plain value in the target that the checkpoint holds as a container is read whole
+        for key in [k for k in flat.setters if saved.get(k) != "object" and find_subtree(md.structure, k) is not None]:
+            flat.subtrees.setdefault(key, flat.setters.pop(key))
         targets = []
         for e in flat.tensors.values():
             if e.key in md.tensors:
                 targets.append(TargetSpec(e.key, dtype_name(e.dtype), e.shape,
                                           tuple((p.offsets, p.lengths) for p in e.pieces)))
         check_targets(md.tensors, targets)
-        return flat, missing, plan_load(md.tensors, targets)
+        # tensors of values read whole (placeholders, Stateful objects) join the same read plan,
+        # so they are shared and resharded like any other target
+        whole: Dict[str, torch.Tensor] = {}
+        for prefix in flat.subtrees:
+            node = find_subtree(md.structure, prefix)
+            for key, kind in (structure_leaves(node).items() if node is not None else ()):
+                if kind == "tensor" and key not in flat.tensors and key not in whole:
+                    whole[key], spec = full_target(md, key)
+                    targets.append(spec)
+        return flat, missing, plan_load(md.tensors, targets), whole
 
-    flat, missing, reads = comm.run(prepare, f"planning the load of {store.url!r}")
+    flat, missing, reads, whole = comm.run(prepare, f"planning the load of {store.url!r}")
 
     def dest_of(r: ReadItem) -> torch.Tensor:
+        if r.key in whole:
+            return target_view(whole[r.key], r.target_box)
         return target_view(flat.tensors[r.key].pieces[r.piece].tensor, r.target_box)
 
     needs = chunk_needs(md, reads, [dest_of(r) for r in reads])
@@ -225,17 +246,11 @@ def load(comm: Comm, store: Storage, workers: Workers, md: Metadata, state: Dict
                                                  f"missing from its rank file; the checkpoint is damaged")
                 if key in objects:
                     assign(objects[key])
-                else:  # saved as a nested container where the target holds a plain value
-                    node = find_subtree(md.structure, key)
-                    if node is not None:
-                        flat.subtrees.setdefault(key, assign)
+            tensors = {**whole, **{k: e.pieces[0].tensor for k, e in flat.tensors.items() if len(e.pieces) == 1}}
             for prefix, consume in flat.subtrees.items():
                 node = find_subtree(md.structure, prefix)
-                if node is None:
-                    continue
-                keys = [k for k, kind in structure_leaves(node).items() if kind == "tensor"]
-                tensors = read_full_tensors(store, workers, md, keys)
-                consume(build_from_structure(node, tensors, objects))
+                if node is not None:
+                    consume(build_from_structure(node, tensors, objects))
         for fin in flat.finalizers:
             fin()
 
