@@ -27,7 +27,7 @@ from . import loader, saver, zero_redundancy
 from . import local_tier as local_tier_mod
 from .comm import Comm
 from .errors import CheckpointError, CheckpointerClosedError
-from .flatten import flatten_for_save
+from .flatten import flatten_for_save, top_level_placeholders
 from .handles import PendingSaves, SaveHandle
 from .local_tier import LocalTier, Restored
 from .metadata import METADATA_FILE, Metadata
@@ -216,12 +216,14 @@ class Checkpointer:
             return loader.load_full(comm, store, workers, md, keys=keys, allow_pickle=allow_pickle)
 
     # ------------------------------------------------------------------ resuming after a failure
-    def restore(self, state: Dict[str, Any], *, persistent=None, strict: bool = True, allow_pickle: bool = False,
+    def restore(self, state: Optional[Dict[str, Any]] = None, *, persistent=None, strict: bool = True, allow_pickle: bool = False,
                 process_group: Any = _UNSET, storage_options: Any = _UNSET) -> Restored:
         """Load the newest checkpoint these ranks can restore (collective): the newest local one
         whose every part some current rank holds (own or replica; resharded to this world, no
         read of persistent storage), unless the newest complete checkpoint under (or at)
-        `persistent` is newer. Returns what was loaded; source None when there was nothing."""
+        `persistent` is newer. Returns what was loaded; source None when there was nothing.
+        With no `state` template the whole saved state is returned (`Restored.state`), every
+        rank receiving all of it (what framework adapters hand to their own restore code)."""
         self._check_open()
         comm = self._comm(process_group)
         comm.arrive(self.options.timeout_s, "restore")
@@ -239,9 +241,11 @@ class Checkpointer:
         if local is not None and local[0] is not None:
             why = f"the persistent checkpoint {newest[1]!r} is newer than local {local[0]!r}"
         log.warning("bytecheckpoint: restoring from the persistent checkpoint %s (%s)", newest[1], why)
+        if state is None:
+            state = top_level_placeholders(self.metadata(newest[1], storage_options=storage_options).structure)
         self.load(newest[1], state, strict=strict, allow_pickle=allow_pickle, process_group=process_group,
                   storage_options=storage_options)
-        return Restored("persistent", newest[1], reason=why)
+        return Restored("persistent", newest[1], reason=why, state=state)
 
     def _local_choice(self, comm: Comm, only: Optional[str] = None):
         """Collective: (name, save_id, created, why-not, candidates of every rank) of the newest
@@ -275,13 +279,15 @@ class Checkpointer:
         source = next(r for r, parts in enumerate(held) if parts)
         store = tier.storage(comm, name)
         md = comm.broadcast(local_tier_mod.read_local_metadata(store) if comm.rank == source else None, src=source)
+        if state is None:
+            state = top_level_placeholders(md.structure)
         stats = loader.LoadStats()
         with Workers(self.options.threads) as workers:
             loader.load(comm, store, workers, md, state, strict=strict, allow_pickle=allow_pickle,
                         shared=local_tier_mod.holder_planner(held), stats=stats,
                         fsdp1_route=self.options.fsdp1_route)
         self.last_load_stats = stats
-        return Restored("local", name, save_id)
+        return Restored("local", name, save_id, state=state)
 
     def _local_tier(self) -> "local_tier_mod.TierState":
         if self._tier is None:
@@ -367,6 +373,11 @@ class Checkpointer:
             if self._secrets is not None:
                 shutil.rmtree(self._secrets, ignore_errors=True)
                 self._secrets = None
+
+    @property
+    def local_tier(self) -> Optional[LocalTier]:
+        """The LocalTier this checkpointer saves `tier="local"` to (None: no local tier)."""
+        return self._tier.tier if self._tier is not None else None
 
     @property
     def closed(self) -> bool:

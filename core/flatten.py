@@ -433,6 +433,13 @@ def build_from_structure(node: Any, tensors: Dict[str, torch.Tensor], objects: D
     raise CheckpointError(f"unknown structure node kind {kind!r:.40}")
 
 
+def top_level_placeholders(root: Any) -> Dict[Any, None]:
+    """A load template that receives every top-level value of a saved state whole."""
+    if not (isinstance(root, dict) and len(root) == 1 and "dict" in root):
+        raise CheckpointError("the checkpoint's saved state is not a dict; load it with load_full")
+    return {codec._hashable(codec.decode(k)): None for k, _ in root["dict"]}
+
+
 def structure_leaves(node: Any, out: Optional[Dict[str, str]] = None) -> Dict[str, str]:
     """key -> 'tensor' | 'object' for every leaf of a structure tree."""
     out = {} if out is None else out

@@ -83,11 +83,13 @@ class LocalTier:
 
 @dataclass(frozen=True)
 class Restored:
-    """What restore() loaded: source is "local", "persistent" or None (nothing to restore)."""
+    """What restore() loaded: source is "local", "persistent" or None (nothing to restore);
+    `state` is the state loaded into (the whole saved state when restore() got no template)."""
     source: Optional[str]
     name: Optional[str]
     save_id: Optional[str] = None
     reason: str = ""
+    state: Any = None
 
 
 # ---------------------------------------------------------------------- placement (pure)

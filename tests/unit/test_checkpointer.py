@@ -149,3 +149,20 @@ def test_fresh_optimizer_is_not_changed_by_save(tmp_path):
     opt.param_groups[0]["lr"] = 5.0
     bcp.load(tmp_path / "fresh", {"model": model, "optimizer": opt})
     assert len(opt.state) == 0 and opt.param_groups[0]["lr"] == 0.1
+
+
+def test_restore_without_a_template_returns_the_whole_newest_state(tmp_path):
+    """restore() with no template (what framework adapters use): the newer of the local tier and
+    the persistent directory, whole, with plain values and integer keys as saved."""
+    tier = bcp.LocalTier(dir=str(tmp_path / "local"), replicas=0)
+    state = {"model": {"w": torch.arange(6.0).reshape(2, 3)}, "opt": {"state": {0: {"m": torch.ones(2)}}}, "step": 3}
+    with bcp.Checkpointer(local_tier=tier) as ckpt:
+        ckpt.save(str(tmp_path / "p" / "step_1"), {**state, "step": 1}, step=1)
+        ckpt.save("step_3", state, tier="local", step=3)
+        got = ckpt.restore(persistent=str(tmp_path / "p"))
+        assert (got.source, got.name, got.state["step"]) == ("local", "step_3", 3)
+        assert torch.equal(got.state["model"]["w"], state["model"]["w"])
+        assert torch.equal(got.state["opt"]["state"][0]["m"], torch.ones(2))
+    with bcp.Checkpointer() as ckpt:   # no local tier: the persistent one
+        got = ckpt.restore(persistent=str(tmp_path / "p"))
+        assert got.source == "persistent" and got.state["step"] == 1
