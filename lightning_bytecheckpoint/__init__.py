@@ -5,8 +5,9 @@ directories (see loading.py). docs/lightning.md has the support table and the ca
 """
 from .checkpoint_io import ByteCheckpointIO
 from .loading import load_from_checkpoint, read_checkpoint
+from .local_tier import LocalTierCheckpoint, resume_path
 from .strategies import install_hooks as _install_hooks
 
 _install_hooks()
 
-__all__ = ["ByteCheckpointIO", "load_from_checkpoint", "read_checkpoint"]
+__all__ = ["ByteCheckpointIO", "LocalTierCheckpoint", "load_from_checkpoint", "read_checkpoint", "resume_path"]

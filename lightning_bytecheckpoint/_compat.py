@@ -13,7 +13,7 @@ import lightning
 
 LIGHTNING_VERSION = lightning.__version__
 #: The Lightning versions this adapter's tests pass with (docs/lightning.md, "Compatibility").
-TESTED_RANGE = ">=2.2,<2.7"
+TESTED_RANGE = ">=2.4,<2.7"
 _MARK = "_bytecheckpoint_hook"
 
 
@@ -108,3 +108,15 @@ def hook_checkpoint_loader(wrap: Callable[[Callable[..., Any]], Callable[..., An
     wrapped = wrap(original)
     setattr(wrapped, _MARK, True)
     saving.pl_load = wrapped
+
+
+# ---------------------------------------------------------------- the local tier callback
+
+def dump_checkpoint(trainer: Any) -> dict:
+    """``trainer._checkpoint_connector.dump_checkpoint()``: the dict ``Trainer.save_checkpoint``
+    hands to the strategy, built without writing it (the local tier writes it elsewhere). No
+    public Lightning call returns it."""
+    connector = getattr(trainer, "_checkpoint_connector", None)
+    if connector is None or not hasattr(connector, "dump_checkpoint"):
+        raise _missing("Trainer._checkpoint_connector.dump_checkpoint", "build the checkpoint of a local-tier save")
+    return connector.dump_checkpoint(weights_only=False)

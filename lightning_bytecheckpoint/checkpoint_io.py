@@ -33,10 +33,10 @@ from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io.checkpoint_plugin import CheckpointIO
 from lightning.pytorch.plugins.io.torch_plugin import TorchCheckpointIO
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from . import _compat, _state
+from . import _compat, _state, local_tier
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +117,8 @@ class ByteCheckpointIO(CheckpointIO):
     @override
     def load_checkpoint(self, path: _PATH, map_location: Optional[Any] = None,
                         weights_only: Optional[bool] = None) -> Dict[str, Any]:
+        if local_tier.is_resume_path(path):
+            return _to_device(self.restore(local_tier.persistent_of(path), weights_only=weights_only), map_location)
         if not _state.is_bcp_path(path):
             if is_http_checkpoint(path):  # a checkpoint directory behind a web server: read-only
                 return _to_device(self.read(path, weights_only=weights_only), map_location)
@@ -185,6 +187,24 @@ class ByteCheckpointIO(CheckpointIO):
         self.checkpointer.load(str(path), template, strict=strict, allow_pickle=weights_only is False,
                                process_group=process_group, **self._call_kwargs(self._options()))
         return self._restore_rng(template)
+
+    def save_local(self, checkpoint: Dict[str, Any], step: int, async_save: bool = True) -> bcp.SaveHandle:
+        """Save ``checkpoint`` as step ``step`` of the checkpointer's local tier (every rank calls)."""
+        state = {**checkpoint, RECORD_KEY: self._record(checkpoint)}
+        return self.checkpointer.save(f"step_{step}", state, tier="local", step=step, async_save=async_save)
+
+    def restore(self, persistent: Optional[str], weights_only: Optional[bool] = None) -> Dict[str, Any]:
+        """The whole checkpoint of the newest complete one of the local tier and ``persistent``
+        (every rank calls; see ``resume_path``); restores RNG."""
+        if self.checkpointer.local_tier is None and persistent is None:
+            raise ValueError("resume_path() without a persistent directory needs a checkpointer with a local tier")
+        kwargs = {"persistent": persistent, **self._call_kwargs(self._options())} if persistent else {}
+        restored = self.checkpointer.restore(allow_pickle=weights_only is False, **kwargs)
+        if restored.source is None:
+            raise FileNotFoundError(f"ByteCheckpointIO: nothing to resume from: {restored.reason}")
+        rank_zero_info(f"ByteCheckpointIO: resuming from the {restored.source} checkpoint {restored.name}"
+                       + (f" ({restored.reason})" if restored.reason else ""))
+        return self._restore_rng(restored.state)
 
     def read(self, path: _PATH, weights_only: Optional[bool] = None) -> Dict[str, Any]:
         """The whole checkpoint with full CPU tensors, read by this process alone; restores RNG."""

@@ -68,8 +68,10 @@ def _script(argv: list[str]) -> None:
     )
 
 
-def run_ddp(out: Path, *args: str, script: str = __file__, nprocs: int = 2, reports: bool = True) -> list[dict]:
-    """Run ``script`` (default: this file) as a DDP job; return each rank's report."""
+def run_ddp(out: Path, *args: str, script: str = __file__, nprocs: int = 2, reports: bool = True,
+            capture: bool = False):
+    """Run ``script`` (default: this file) as a DDP job; return each rank's report (``capture``:
+    its output instead)."""
     out.mkdir(parents=True, exist_ok=True)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -93,6 +95,8 @@ def run_ddp(out: Path, *args: str, script: str = __file__, nprocs: int = 2, repo
         except ProcessLookupError:
             pass
     assert proc.returncode == 0, f"DDP run failed (rc={proc.returncode}):\n{log[-6000:]}"
+    if capture:
+        return log
     if not reports:
         return []
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(nprocs)]
