@@ -333,6 +333,62 @@ class ByteCheckpointAttachment:
             self._accelerator.step = int(step)
         logger.info("bytecheckpoint: models/optimizers loaded from %s", path)
 
+    # ------------------------------------------------------------------ the local tier
+    def save_local(self, step: Optional[int] = None, *, async_save: bool = True) -> "bcp.SaveHandle":
+        """Save to the local tier of the attached checkpointer (``bcp.Checkpointer(local_tier=
+        bcp.LocalTier(...))``) as ``step_<step>`` (default ``accelerator.step``). Every process
+        calls: each writes its share to its node and copies it to peer nodes (docs/local_tier.md).
+        Saved: models, optimizers, LR schedulers, objects registered with
+        ``register_for_checkpointing``, and ``accelerator.step``; not the per-process RNG states
+        nor dataloader positions (those are in ``save_state``'s persistent folders only)."""
+        self._require_tier("save_local")
+        acc = self._accelerator
+        step = int(acc.step if step is None else step)
+        return self._ckpt.save(f"step_{step}", self._local_state(), tier="local", step=step, async_save=async_save)
+
+    def restore(self, input_dir: Optional[str] = None) -> "bcp.Restored":
+        """Resume from the newest complete checkpoint of the local tier (own parts and peer
+        replicas, resharded to the current processes, no persistent read) or the persistent
+        ``save_state`` folder ``input_dir`` (default: the newest committed one of automatic
+        checkpoint naming), whichever is newer. Every process calls. When the persistent folder
+        wins, ``load_state(folder)`` then restores what only it holds (RNG states, dataloaders):
+        models and optimizers are read twice in that case."""
+        self._require_tier("restore")
+        self._ckpt.wait()
+        folder = os.fspath(input_dir) if input_dir is not None else self._latest_committed()
+        persistent = os.path.join(folder, CHECKPOINT_SUBDIR) if folder is not None else None
+        state = self._local_state()
+        # not strict: a persistent folder's bytecheckpoint part holds no schedulers or registered
+        # objects (Accelerate's own files do; load_state below restores them)
+        restored = self._ckpt.restore(state, persistent=persistent, strict=False, **self._storage)
+        if restored.source == "persistent":
+            self._accelerator.load_state(folder)
+        elif restored.source == "local":
+            self._accelerator.step = int(state["accelerator"]["step"])
+        logger.info("bytecheckpoint: restored from the %s checkpoint %s%s", restored.source, restored.name,
+                    f" ({restored.reason})" if restored.reason else "")
+        return restored
+
+    def _require_tier(self, what: str) -> None:
+        if self._ckpt.local_tier is None:
+            raise ValueError(f"{what} needs attach(accelerator, checkpointer=bcp.Checkpointer(local_tier="
+                             "bcp.LocalTier(dir=...)))")
+
+    def _local_state(self) -> Dict[str, Any]:
+        acc = self._accelerator
+        models = compat.models(acc)
+        sharded = routes.route_for(acc, models).sharded
+        unwrap = _strip_compile if sharded else functools.partial(compat.unwrap, acc)
+        state: Dict[str, Any] = {_key("model", i): unwrap(m) for i, m in enumerate(models)}
+        for j, optimizer in enumerate(compat.optimizers(acc)):
+            state[_key("optimizer", j)] = getattr(optimizer, "optimizer", optimizer)
+        for j, scheduler in enumerate(compat.schedulers(acc)):
+            state[_key("scheduler", j)] = getattr(scheduler, "scheduler", scheduler)
+        for j, obj in enumerate(compat.custom_objects(acc)):
+            state[_key("custom", j)] = obj
+        state["accelerator"] = {"step": int(acc.step)}
+        return state
+
     # ------------------------------------------------------------------ save / load
     def _collective(self, route: routes.Route) -> bool:
         return route.sharded or (self.collective_save and self._accelerator.num_processes > 1)

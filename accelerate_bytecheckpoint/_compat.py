@@ -6,6 +6,7 @@ the adapter needs it for, the installed Accelerate version and the versions it w
 | private attribute | used for | why no public API serves |
 |---|---|---|
 | `Accelerator._optimizers` | the prepared optimizers; swapped for an empty list while `save_state` / `load_state` run, so Accelerate writes/reads no `optimizer.bin` | the pre-hooks receive models but not optimizers, and `save_state` binds the list before the hooks run; there is no public getter |
+| `Accelerator._schedulers`, `._custom_objects` | read by the local-tier `save_local` / `restore` only: the schedulers and registered objects Accelerate's `save_state` writes to its own files | no public getter lists them |
 | `Accelerator._models` | FSDP only: swapped for an empty list so Accelerate does not save/load the models through DCP, and read to know them on load | for FSDP `save_state`/`load_state` handle models *before* any hook; the load hook receives an empty list |
 | `Accelerator._save_model_state_pre_hook`, `._load_model_state_pre_hook` | ordering: the adapter's first hook runs before every user hook (it snapshots `weights`), its last hook after them (it takes what they left) | hooks run in registration order and there is no public way to order them |
 
@@ -22,12 +23,14 @@ from typing import Any
 import accelerate
 
 #: Accelerate versions the adapter is tested with (docs/accelerate.md, "Accelerate versions").
-TESTED = "1.6.0 to 1.15.0 (1.1 to 1.5: without FSDP2, which Accelerate adds in 1.6)"
+TESTED = "1.6.0 to 1.15.0"
 
 _HOOK_DICTS = {"save": "_save_model_state_pre_hook", "load": "_load_model_state_pre_hook"}
 _NEEDED = {
     "_optimizers": (list, "the prepared optimizers"),
     "_models": (list, "the prepared models"),
+    "_schedulers": (list, "the prepared LR schedulers (local-tier saves)"),
+    "_custom_objects": (list, "the objects passed to register_for_checkpointing (local-tier saves)"),
     "_save_model_state_pre_hook": (OrderedDict, "the order of save_state pre-hooks"),
     "_load_model_state_pre_hook": (OrderedDict, "the order of load_state pre-hooks"),
 }
@@ -66,6 +69,14 @@ def models(accelerator: Any) -> list:
 
 def optimizers(accelerator: Any) -> list:
     return _get(accelerator, "_optimizers")
+
+
+def schedulers(accelerator: Any) -> list:
+    return list(_get(accelerator, "_schedulers"))
+
+
+def custom_objects(accelerator: Any) -> list:
+    return list(_get(accelerator, "_custom_objects"))
 
 
 def set_lists(accelerator: Any, models_: list, optimizers_: list) -> None:

@@ -70,7 +70,8 @@ def _lose_node_1(tmp_path, replicas: int):
 
 def _restored(outs):
     lines = [json.loads(o.split("RESTORED ", 1)[1].splitlines()[0]) for o in outs]
-    assert all(line == {**lines[0], "seconds": line["seconds"]} for line in lines), lines
+    same = [{k: v for k, v in line.items() if k != "seconds"} for line in lines]
+    assert all(line == same[0] for line in same), lines
     return lines[0]
 
 
@@ -105,3 +106,41 @@ def test_without_replicas_the_survivors_fall_back_to_the_persistent_tier(tmp_pat
 def test_restore_moves_parts_between_ranks_that_hold_them(tmp_path):
     outs = run("local_tier_scenarios:save_then_restore_swapped", 2, {"run": str(tmp_path / "run")}, timeout=150)
     assert all("SWAPPED OK" in o for o in outs)
+
+
+# ------------------------------------------------------------------ the same story under Accelerate
+
+def _accelerate_lose_node_1(tmp_path, replicas: int):
+    kill_at = random.Random(SEED + 10 + replicas).randint(4, STEPS - 2)
+    run_dir = str(tmp_path / "run")
+    job = Job("accelerate_local_tier_scenarios:train", 2, {"run": run_dir, "steps": STEPS, "replicas": replicas,
+                                                           "persist_every": 3})
+    try:
+        _wait_step(job, run_dir, kill_at, 2, timeout=150)
+        _wait_persistent(job, os.path.join(run_dir, "checkpoints", "checkpoint_0", "bytecheckpoint"), timeout=60)
+        job.kill([1])
+        shutil.rmtree(os.path.join(run_dir, "local", "node1"))
+    finally:
+        job.finish(60)
+    return run_dir, kill_at
+
+
+@pytest.mark.timeout(400)
+def test_accelerate_lost_node_resumes_from_the_local_tier_on_one_process(tmp_path):
+    run_dir, kill_at = _accelerate_lose_node_1(tmp_path, replicas=1)
+    expected = _newest_committed(os.path.join(run_dir, "local", "node0"))
+    assert expected is not None, f"no local checkpoint committed by step {kill_at} (seed {SEED})"
+    faults = {"BCP_FAULTS": json.dumps([{"op": "read", "kind": "error", "key": "/c/"}])}
+    outs = run("accelerate_local_tier_scenarios:resume", 1, {"run": run_dir, "replicas": 1}, timeout=150, env=faults)
+    got = _restored(outs)
+    assert got["source"] == "local" and got["name"] == expected, (got, expected, SEED)
+    assert "TRAINED ON" in outs[0]
+
+
+@pytest.mark.timeout(400)
+def test_accelerate_without_replicas_falls_back_to_save_state(tmp_path):
+    run_dir, kill_at = _accelerate_lose_node_1(tmp_path, replicas=0)
+    outs = run("accelerate_local_tier_scenarios:resume", 1, {"run": run_dir, "replicas": 0}, timeout=150)
+    got = _restored(outs)
+    assert got["source"] == "persistent" and got["step"] % 3 == 0 and got["step"] <= kill_at, (got, kill_at, SEED)
+    assert "no local checkpoint is held completely by these 1 ranks" in got["reason"], got
