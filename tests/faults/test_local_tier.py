@@ -3,7 +3,8 @@ local directory; a local checkpoint every step, replicas=1. Node 1's processes a
 and its local directory deleted at a random step; node 0's 2 ranks restart and resume from the
 newest step they hold completely, bit-exact, without reading a byte of persistent tensor data.
 With replicas=0 the survivors cannot hold every part: they fall back to the persistent tier and
-say so."""
+say so. The same story runs under Accelerate (2 processes as 2 nodes, attachment.save_local /
+restore; one process resumes); the Lightning one is tests/integration/test_lightning_local_tier.py."""
 import json
 import os
 import random
@@ -50,22 +51,40 @@ def _wait_persistent(job: Job, path: str, timeout: float) -> None:
         time.sleep(0.05)
 
 
-def _lose_node_1(tmp_path, replicas: int):
-    rng = random.Random(SEED + replicas)
-    kill_at = rng.randint(3, STEPS - 2)
+def _lose_node_1(tmp_path, replicas: int, program: str = "local_tier_scenarios", world: int = 4,
+                 persistent: str = os.path.join("persistent", "step_3"), first_kill: int = 3):
+    """Train `world` ranks as 2 nodes; kill node 1's ranks (-9) at a random step and delete its
+    local directory. The persistent save of step 3 is asynchronous: the fallback story needs it
+    committed before the node is lost (otherwise there is honestly nothing to fall back to)."""
+    kill_at = random.Random(SEED + replicas + (0 if world == 4 else 10)).randint(first_kill, STEPS - 2)
     run_dir = str(tmp_path / "run")
-    job = Job("local_tier_scenarios:train", 4, {"run": run_dir, "steps": STEPS, "replicas": replicas,
-                                                 "persist_every": 3})
+    job = Job(f"{program}:train", world, {"run": run_dir, "steps": STEPS, "replicas": replicas, "persist_every": 3})
     try:
-        _wait_step(job, run_dir, kill_at, 4, timeout=150)
-        # the persistent save of step 3 is asynchronous: the fallback story needs it committed
-        # before the node is lost (otherwise there is honestly nothing to fall back to)
-        _wait_persistent(job, os.path.join(run_dir, "persistent", "step_3"), timeout=60)
-        job.kill([2, 3])
+        _wait_step(job, run_dir, kill_at, world, timeout=150)
+        _wait_persistent(job, os.path.join(run_dir, persistent), timeout=60)
+        job.kill(list(range(world // 2, world)))
         shutil.rmtree(os.path.join(run_dir, "local", "node1"))   # node 1's disk is gone too
     finally:
         job.finish(60)   # node 0's ranks fail on their next collective with the dead peers
     return run_dir, kill_at
+
+
+def _lose_node_1_under_accelerate(tmp_path, replicas: int):
+    return _lose_node_1(tmp_path, replicas, "accelerate_local_tier_scenarios", world=2,
+                        persistent=os.path.join("checkpoints", "checkpoint_0", "bytecheckpoint"), first_kill=4)
+
+
+def _resume_locally(run_dir: str, program: str, world: int) -> dict:
+    """Resume with every chunk read of the persistent tier failing: no persistent tensor byte may
+    be read. Returns the RESTORED line, checked against node 0's newest commit."""
+    expected = _newest_committed(os.path.join(run_dir, "local", "node0"))
+    assert expected is not None, f"no local checkpoint committed (seed {SEED})"
+    faults = {"BCP_FAULTS": json.dumps([{"op": "read", "kind": "error", "key": "/c/"}])}
+    outs = run(f"{program}:resume", world, {"run": run_dir, "replicas": 1}, timeout=150, env=faults)
+    got = _restored(outs)
+    assert got["source"] == "local" and got["name"] == expected, (got, expected, SEED)
+    assert all("TRAINED ON" in o for o in outs)
+    return got
 
 
 def _restored(outs):
@@ -78,15 +97,8 @@ def _restored(outs):
 @pytest.mark.timeout(400)
 def test_lost_node_resumes_from_local_replicas_on_fewer_ranks(tmp_path):
     run_dir, kill_at = _lose_node_1(tmp_path, replicas=1)
-    expected = _newest_committed(os.path.join(run_dir, "local", "node0"))
-    assert expected is not None, f"no local checkpoint committed by step {kill_at} (seed {SEED})"
-    # no persistent tensor byte may be read: every chunk read of the persistent tier fails
-    faults = {"BCP_FAULTS": json.dumps([{"op": "read", "kind": "error", "key": "/c/"}])}
-    outs = run("local_tier_scenarios:resume", 2, {"run": run_dir, "replicas": 1}, timeout=150, env=faults)
-    got = _restored(outs)
-    assert got["source"] == "local" and got["name"] == expected, (got, expected, SEED)
-    assert int(expected.split("_")[1]) >= kill_at - 1, (expected, kill_at)
-    assert all("TRAINED ON" in o for o in outs)
+    got = _resume_locally(run_dir, "local_tier_scenarios", 2)
+    assert int(got["name"].split("_")[1]) >= kill_at - 1, (got, kill_at)
 
 
 @pytest.mark.timeout(400)
@@ -110,36 +122,15 @@ def test_restore_moves_parts_between_ranks_that_hold_them(tmp_path):
 
 # ------------------------------------------------------------------ the same story under Accelerate
 
-def _accelerate_lose_node_1(tmp_path, replicas: int):
-    kill_at = random.Random(SEED + 10 + replicas).randint(4, STEPS - 2)
-    run_dir = str(tmp_path / "run")
-    job = Job("accelerate_local_tier_scenarios:train", 2, {"run": run_dir, "steps": STEPS, "replicas": replicas,
-                                                           "persist_every": 3})
-    try:
-        _wait_step(job, run_dir, kill_at, 2, timeout=150)
-        _wait_persistent(job, os.path.join(run_dir, "checkpoints", "checkpoint_0", "bytecheckpoint"), timeout=60)
-        job.kill([1])
-        shutil.rmtree(os.path.join(run_dir, "local", "node1"))
-    finally:
-        job.finish(60)
-    return run_dir, kill_at
-
-
 @pytest.mark.timeout(400)
 def test_accelerate_lost_node_resumes_from_the_local_tier_on_one_process(tmp_path):
-    run_dir, kill_at = _accelerate_lose_node_1(tmp_path, replicas=1)
-    expected = _newest_committed(os.path.join(run_dir, "local", "node0"))
-    assert expected is not None, f"no local checkpoint committed by step {kill_at} (seed {SEED})"
-    faults = {"BCP_FAULTS": json.dumps([{"op": "read", "kind": "error", "key": "/c/"}])}
-    outs = run("accelerate_local_tier_scenarios:resume", 1, {"run": run_dir, "replicas": 1}, timeout=150, env=faults)
-    got = _restored(outs)
-    assert got["source"] == "local" and got["name"] == expected, (got, expected, SEED)
-    assert "TRAINED ON" in outs[0]
+    run_dir, _ = _lose_node_1_under_accelerate(tmp_path, replicas=1)
+    _resume_locally(run_dir, "accelerate_local_tier_scenarios", 1)
 
 
 @pytest.mark.timeout(400)
 def test_accelerate_without_replicas_falls_back_to_save_state(tmp_path):
-    run_dir, kill_at = _accelerate_lose_node_1(tmp_path, replicas=0)
+    run_dir, kill_at = _lose_node_1_under_accelerate(tmp_path, replicas=0)
     outs = run("accelerate_local_tier_scenarios:resume", 1, {"run": run_dir, "replicas": 0}, timeout=150)
     got = _restored(outs)
     assert got["source"] == "persistent" and got["step"] % 3 == 0 and got["step"] <= kill_at, (got, kill_at, SEED)
