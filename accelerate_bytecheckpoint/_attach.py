@@ -334,16 +334,17 @@ class ByteCheckpointAttachment:
         logger.info("bytecheckpoint: models/optimizers loaded from %s", path)
 
     # ------------------------------------------------------------------ the local tier
-    def save_local(self, step: Optional[int] = None, *, async_save: bool = True) -> "bcp.SaveHandle":
+    def save_local(self, step: int, *, async_save: bool = True) -> "bcp.SaveHandle":
         """Save to the local tier of the attached checkpointer (``bcp.Checkpointer(local_tier=
-        bcp.LocalTier(...))``) as ``step_<step>`` (default ``accelerator.step``). Every process
+        bcp.LocalTier(...))``) as ``step_<step>``: the training step, which orders checkpoints
+        (``accelerator.step`` counts gradient-accumulation steps only). Every process
         calls: each writes its share to its node and copies it to peer nodes (docs/local_tier.md).
         Saved: models, optimizers, LR schedulers, objects registered with
         ``register_for_checkpointing``, and ``accelerator.step``; not the per-process RNG states
         nor dataloader positions (those are in ``save_state``'s persistent folders only)."""
         self._require_tier("save_local")
-        acc = self._accelerator
-        step = int(acc.step if step is None else step)
+        if not isinstance(step, int) or isinstance(step, bool):
+            raise TypeError(f"save_local: step must be the training step (an int), got {step!r}")
         return self._ckpt.save(f"step_{step}", self._local_state(), tier="local", step=step, async_save=async_save)
 
     def restore(self, input_dir: Optional[str] = None) -> "bcp.Restored":

@@ -216,8 +216,8 @@ class Checkpointer:
             return loader.load_full(comm, store, workers, md, keys=keys, allow_pickle=allow_pickle)
 
     # ------------------------------------------------------------------ resuming after a failure
-    def restore(self, state: Optional[Dict[str, Any]] = None, *, persistent=None, strict: bool = True, allow_pickle: bool = False,
-                process_group: Any = _UNSET, storage_options: Any = _UNSET) -> Restored:
+    def restore(self, state: Optional[Dict[str, Any]] = None, *, persistent=None, strict: bool = True,
+                allow_pickle: bool = False, process_group: Any = _UNSET, storage_options: Any = _UNSET) -> Restored:
         """Load the newest checkpoint these ranks can restore (collective): the newest local one
         whose every part some current rank holds (own or replica; resharded to this world, no
         read of persistent storage), unless the newest complete checkpoint under (or at)
