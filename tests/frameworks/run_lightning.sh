@@ -10,6 +10,7 @@ root=$(cd "$(dirname "$0")/../.." && pwd)
 suite=${LIGHTNING_SUITE:-$root/../shared/framework_suites/lightning}
 py=$root/.venv/bin/python
 [[ -d $suite ]] || { echo "no suite at $suite"; exit 2; }
+suite=$(cd "$suite" && pwd)   # absolute: the tests run from inside it
 inject=(-p inject -p shim)
 [[ ${1:-} == --shipped ]] && inject=()
 des=()
