@@ -1,6 +1,7 @@
-"""``Fabric(plugins=[ByteCheckpointIO()])``: fabric.save / fabric.load under DDP and
-ModelParallelStrategy (FSDP2 fully_shard) on 2 gloo processes, loaded on another strategy and
-device count (ModelParallel(2) -> one device, DDP(2) -> ModelParallel(2)).
+"""``Fabric(plugins=[ByteCheckpointIO()])``: fabric.save / fabric.load under DDP, FSDPStrategy
+(FSDP1) and ModelParallelStrategy (FSDP2 fully_shard) on 2 gloo processes, loaded on another
+strategy and device count (FSDP(2) -> one device in make test; ModelParallel(2) -> one device and
+DDP(2) -> ModelParallel(2) in make test-frameworks-lightning).
 
 Fabric's ModelParallelStrategy refuses any CheckpointIO on its own; the plugin adapts it so every
 rank writes its shards. Fabric's DDP saves from rank 0 alone (replicated state, bcp.LOCAL).
@@ -36,13 +37,13 @@ def _full_state(model, opt):
 
 def _script(argv: list[str]) -> None:
     from lightning.fabric import Fabric
-    from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy
+    from lightning.fabric.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
 
     from lightning_bytecheckpoint import ByteCheckpointIO
 
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
-    p.add_argument("--strategy", required=True, choices=["ddp", "mp", "single"])
+    p.add_argument("--strategy", required=True, choices=["ddp", "mp", "fsdp", "single"])
     p.add_argument("--resume")
     args = p.parse_args(argv)
     out = Path(args.out)
@@ -54,7 +55,11 @@ def _script(argv: list[str]) -> None:
         fully_shard(model, mesh=mesh["data_parallel"])
         return model
 
+    class CPUFSDPStrategy(FSDPStrategy):  # TEST ONLY: Fabric's CPU check is `type(s) is FSDPStrategy`
+        pass
+
     strategy = {"ddp": lambda: DDPStrategy(), "mp": lambda: ModelParallelStrategy(parallelize_fn=fsdp2),
+                "fsdp": lambda: CPUFSDPStrategy(state_dict_type="sharded"),
                 "single": lambda: "auto"}[args.strategy]()
     fabric = Fabric(accelerator="cpu", devices=1 if args.strategy == "single" else 2, strategy=strategy,
                     plugins=[ByteCheckpointIO(async_save=True)])
@@ -62,6 +67,10 @@ def _script(argv: list[str]) -> None:
     torch.set_num_threads(1)
     fabric.seed_everything(9)
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    if args.strategy == "fsdp":  # wrapped by hand (Fabric then keeps it): FSDP1 on CPU needs device_id=cpu
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        model = FSDP(model, device_id=torch.device("cpu"), use_orig_params=True)
     model = fabric.setup_module(model)
     opt = fabric.setup_optimizers(torch.optim.Adam(model.parameters(), lr=0.01))
     report = {}
@@ -92,11 +101,25 @@ import bytecheckpoint as bcp  # noqa: E402
 import pytest  # noqa: E402
 from test_lightning import assert_same  # noqa: E402
 
-pytestmark = [pytest.mark.timeout(4 * RUN_TIMEOUT_S + 60),
-              pytest.mark.skipif(not os.environ.get("BCP_LIGHTNING_ALL"),
-                                 reason="heavy 4-launch matrix: make test-frameworks-lightning")]
+pytestmark = pytest.mark.timeout(4 * RUN_TIMEOUT_S + 60)
 
 
+def test_fabric_fsdp1_every_rank_writes_and_loads_on_one_device(tmp_path):
+    """Fabric's FSDPStrategy (FSDP1, sharded state dict; a TEST-ONLY subclass passes Fabric's GPU
+    check, the model is wrapped with device_id=cpu): each rank writes its shards; one plain process
+    loads model and Adam state bit-exact against FSDP's own full state dict."""
+    fsdp = run_ddp(tmp_path / "fsdp", "--strategy", "fsdp", script=__file__)
+    ckpt = tmp_path / "fsdp" / "ckpt"
+    info = bcp.inspect(str(ckpt))
+    assert info.complete and info.world_size == 2 and all(n > 0 for n in info.info["bytes_per_rank"])
+    saved = fsdp[0]["saved"]
+    assert_same(fsdp[1]["saved"], saved, "FSDP1 ranks gather the same state")
+    [one] = run_ddp(tmp_path / "one", "--strategy", "single", "--resume", str(ckpt), script=__file__, nprocs=1)
+    assert_same(one["loaded"], saved, "Fabric FSDP(2) -> one device")
+    assert one["step"] == 3 and one["remainder"] == {"note": "hi"}
+
+
+@pytest.mark.skipif(not os.environ.get("BCP_LIGHTNING_ALL"), reason="heavy 4-launch matrix: make test-frameworks-lightning")
 def test_fabric_model_parallel_and_ddp_reshard(tmp_path):
     mp = run_ddp(tmp_path / "mp", "--strategy", "mp", script=__file__)
     ckpt = tmp_path / "mp" / "ckpt"
