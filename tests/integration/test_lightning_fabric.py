@@ -1,6 +1,6 @@
 """``Fabric(plugins=[ByteCheckpointIO()])``: fabric.save / fabric.load under DDP, FSDPStrategy
 (FSDP1) and ModelParallelStrategy (FSDP2 fully_shard) on 2 gloo processes, loaded on another
-strategy and device count (FSDP(2) -> one device in make test; ModelParallel(2) -> one device and
+strategy and device count (FSDP(2) and DDP(2) -> one device in make test; ModelParallel(2) -> one device and
 DDP(2) -> ModelParallel(2) in make test-frameworks-lightning).
 
 Fabric's ModelParallelStrategy refuses any CheckpointIO on its own; the plugin adapts it so every
@@ -116,6 +116,17 @@ def test_fabric_fsdp1_every_rank_writes_and_loads_on_one_device(tmp_path):
     assert_same(fsdp[1]["saved"], saved, "FSDP1 ranks gather the same state")
     [one] = run_ddp(tmp_path / "one", "--strategy", "single", "--resume", str(ckpt), script=__file__, nprocs=1)
     assert_same(one["loaded"], saved, "Fabric FSDP(2) -> one device")
+    assert one["step"] == 3 and one["remainder"] == {"note": "hi"}
+
+
+def test_fabric_ddp_saves_from_rank_zero_alone_and_loads_on_one_device(tmp_path):
+    """Fabric's DDP calls the CheckpointIO on rank 0 only: replicated state saved by it alone."""
+    ddp = run_ddp(tmp_path / "ddp", "--strategy", "ddp", script=__file__)
+    ckpt = tmp_path / "ddp" / "ckpt"
+    info = bcp.inspect(str(ckpt))
+    assert info.complete and info.world_size == 1
+    [one] = run_ddp(tmp_path / "one", "--strategy", "single", "--resume", str(ckpt), script=__file__, nprocs=1)
+    assert_same(one["loaded"], ddp[0]["saved"], "Fabric DDP(2) -> one device")
     assert one["step"] == 3 and one["remainder"] == {"note": "hi"}
 
 
