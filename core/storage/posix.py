@@ -212,7 +212,7 @@ class PosixStorage(Storage):
             else:
                 os.replace(tmp, path)
             if durable:
-                _fsync_dir(os.path.dirname(path))
+                _fsync_path(os.path.dirname(path), gone=OSError)
             else:
                 with self._dirs_lock:
                     self._unsynced.update((path, os.path.dirname(path)))
@@ -297,25 +297,12 @@ class PosixStorage(Storage):
             os.close(fd)
 
 
-def _fsync_path(path: str) -> None:
-    """fsync a file or directory that may have been removed since (then there is nothing to keep)."""
+def _fsync_path(path: str, gone=(FileNotFoundError, NotADirectoryError)) -> None:
+    """fsync a file or directory; an open that fails with `gone` means nothing to keep (removed
+    since, or for a directory fsync after a put: not openable at all)."""
     try:
         fd = os.open(path, os.O_RDONLY)
-    except (FileNotFoundError, NotADirectoryError):
-        return
-    try:
-        os.fsync(fd)
-    except OSError as exc:  # some file systems refuse fsync on directories
-        if exc.errno not in (errno.EINVAL, errno.EBADF):
-            raise
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(directory: str) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
+    except gone:
         return
     try:
         os.fsync(fd)
