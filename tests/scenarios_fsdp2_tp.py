@@ -13,13 +13,14 @@ import os
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
 
 import bytecheckpoint as bcp
 from bytecheckpoint.torch_compat import strided_shard_class
+from scenarios_fsdp1 import full_state as full_state_and_groups
+from scenarios_fsdp1 import rank_world, train
 
 
 class Block(nn.Module):
@@ -47,10 +48,6 @@ class Net(nn.Module):
 
 
 HSDP = ("hsdp", "fsdp1_hsdp")
-
-
-def rank_world():
-    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
 def build(kind: str, seed: int = 0):
@@ -84,27 +81,9 @@ def build(kind: str, seed: int = 0):
     return model, optim
 
 
-def train(model, optim, steps: int, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        loss = model(torch.randn(4, 13, generator=g)).pow(2).mean()
-        optim.zero_grad()
-        loss.backward()
-        optim.step()
-
-
 def full_state(model, optim):
-    msd, osd = get_state_dict(model, optim, options=StateDictOptions(full_state_dict=True))
-    out = {f"model/{k}": _full(v) for k, v in msd.items()}
-    for fqn, st in osd["state"].items():
-        for k, v in st.items():
-            out[f"optim/{fqn}/{k}"] = _full(v)
-    return out
-
-
-def _full(v):
-    v = v.full_tensor() if isinstance(v, DTensor) else v
-    return v.detach().clone()
+    """Model and optimizer state as DCP's full state dict gives it: name -> full tensor."""
+    return full_state_and_groups(model, optim)[0]
 
 
 def strided_extra(mesh) -> DTensor:
