@@ -14,7 +14,6 @@ name, optimizer states keyed by parameter position, so they load under any strat
 """
 from __future__ import annotations
 
-import functools
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Union
 
@@ -25,12 +24,11 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from . import _compat, _state
+from . import _class_switch, _compat, _state
 
 if TYPE_CHECKING:
     from .checkpoint_io import ByteCheckpointIO
 
-_ADAPTED = "_bytecheckpoint_base"
 
 
 def install_hooks() -> None:
@@ -45,11 +43,11 @@ def _on_assign(strategy: Any, io: Any) -> bool:
     if not isinstance(io, ByteCheckpointIO):
         unadapt(strategy)
         return False
-    base = getattr(type(strategy), _ADAPTED, type(strategy))
+    base = _class_switch.base_of(strategy)
     if any(issubclass(base, cls) for cls in ADAPTERS):
         ADAPTERS[next(cls for cls in ADAPTERS if issubclass(base, cls))](strategy)
         _compat.store_checkpoint_io(strategy, io)
-        strategy.__class__ = _adapted_class(base)
+        _class_switch.switch(strategy, _ShardedFabric)
         io._strategy_ref = weakref.ref(strategy)
         return True
     io._strategy_ref = weakref.ref(strategy)
@@ -150,7 +148,7 @@ class _ShardedFabric(FabricStrategy):
 
     @override
     def __reduce_ex__(self, protocol: int) -> Any:
-        return _rebuild, (getattr(type(self), _ADAPTED),), self.__getstate__()
+        return _class_switch.reduce(self, _ShardedFabric)
 
 
 def _sharded_module(state: Dict[str, Any]) -> Optional[nn.Module]:
@@ -181,19 +179,4 @@ ADAPTERS: Dict[type, Callable[[Any], None]] = {
 }
 
 
-def unadapt(strategy: Any) -> None:
-    base = getattr(type(strategy), _ADAPTED, None)
-    if base is not None:
-        strategy.__class__ = base
-
-
-@functools.lru_cache(maxsize=None)
-def _adapted_class(base: type) -> type:
-    return type(base.__name__, (_ShardedFabric, base), {_ADAPTED: base, "__module__": base.__module__,
-                                                      "__qualname__": base.__qualname__})
-
-
-def _rebuild(base: type) -> Any:
-    obj = base.__new__(base)
-    obj.__class__ = _adapted_class(base)
-    return obj
+unadapt = _class_switch.unswitch

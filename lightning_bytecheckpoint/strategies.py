@@ -17,7 +17,6 @@ hook that runs before the first save and no reference to its strategy, so no pub
 """
 from __future__ import annotations
 
-import functools
 import weakref
 from typing import TYPE_CHECKING, Any, Dict, Optional, Union
 
@@ -28,12 +27,11 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
-from . import _compat, _state
+from . import _class_switch, _compat, _state
 
 if TYPE_CHECKING:
     from .checkpoint_io import ByteCheckpointIO
 
-_ADAPTED = "_bytecheckpoint_base"  # class attribute of adapted classes: the original strategy class
 
 
 def install_hooks() -> None:
@@ -68,7 +66,7 @@ def in_place_template(io: "ByteCheckpointIO", path: _PATH) -> Optional[Dict[str,
     checkpoint in ``on_load_checkpoint`` (it may drop or rename weights), or saved weights that
     differ from the module's in names, shapes or dtypes, or a load that is not the Trainer's restore."""
     strategy = io.strategy
-    if strategy is None or getattr(type(strategy), _ADAPTED, None) is not None:
+    if strategy is None or _class_switch.is_adapted(strategy):
         return None
     module = getattr(strategy, "lightning_module", None)
     if module is None or is_overridden("on_load_checkpoint", module) or not _restoring(module, path):
@@ -139,7 +137,7 @@ class _ShardedSave(Strategy):
 
     @override
     def __reduce_ex__(self, protocol: int) -> Any:  # ddp_spawn pickles the trainer
-        return _rebuild, (getattr(type(self), _ADAPTED),), self.__getstate__()
+        return _class_switch.reduce(self, _lookup(_class_switch.base_of(self))[0])
 
 
 class _ShardedLoad(_ShardedSave):
@@ -271,18 +269,14 @@ ADAPTERS: Dict[type, Union[tuple, str]] = {
 
 def adapt(strategy: Any) -> None:
     """Switch ``strategy`` to the subclass carrying its adapter, if its type needs one."""
-    base = getattr(type(strategy), _ADAPTED, type(strategy))
-    entry = _lookup(base)
+    entry = _lookup(_class_switch.base_of(strategy))
     if entry is None:
         return
     entry[1](strategy)
-    strategy.__class__ = _adapted_class(base)
+    _class_switch.switch(strategy, entry[0])
 
 
-def unadapt(strategy: Any) -> None:
-    base = getattr(type(strategy), _ADAPTED, None)
-    if base is not None:
-        strategy.__class__ = base
+unadapt = _class_switch.unswitch
 
 
 def _lookup(base: type) -> Optional[tuple]:
@@ -293,17 +287,3 @@ def _lookup(base: type) -> Optional[tuple]:
                 raise TypeError(f"ByteCheckpointIO does not support {base.__name__}: {entry}.")
             return entry
     return None
-
-
-@functools.lru_cache(maxsize=None)
-def _adapted_class(base: type) -> type:
-    mixin = _lookup(base)[0]
-    # Same name as the original so Lightning's messages and logs read as usual.
-    return type(base.__name__, (mixin, base), {_ADAPTED: base, "__module__": base.__module__,
-                                              "__qualname__": base.__qualname__})
-
-
-def _rebuild(base: type) -> Strategy:
-    obj = base.__new__(base)
-    obj.__class__ = _adapted_class(base)
-    return obj
