@@ -150,18 +150,7 @@ def worker(args: argparse.Namespace) -> dict:
         "bcp sync": lambda: ByteCheckpointIO(),
         "bcp async": lambda: ByteCheckpointIO(async_save=True),
     }
-    layers = max(1, round(args.params_mib * 2**20 / 4 / (args.width * args.width + args.width)))
-
-    class MLP(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = torch.nn.Sequential(*[torch.nn.Linear(args.width, args.width) for _ in range(layers)])
-
-        def training_step(self, batch, batch_idx):
-            return self.net(batch[0]).square().mean()
-
-        def configure_optimizers(self):
-            return torch.optim.Adam(self.parameters(), lr=1e-4)
+    MLP, layers = _mlp_class(args)
 
     class SaveEvery(pl.Callback):
         def __init__(self, folder: str | None) -> None:
