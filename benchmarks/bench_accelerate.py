@@ -45,6 +45,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dir", default=None, help="where checkpoints go (default: a temp dir)")
     p.add_argument("--json", default=None, help="also write the results here")
+    p.add_argument("--quick", action="store_true", help="64 MiB of parameters (a smaller, faster run)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
     return p.parse_args()
@@ -72,6 +73,20 @@ def worker(args: argparse.Namespace) -> None:
     opt.zero_grad()
 
     cpu: dict = {}
+
+    def raw_write_fsync(rep: int) -> None:
+        """The durable-write floor: the main process writes the same tensors to one file, fsync."""
+        if not accelerator.is_main_process:
+            return
+        tensors = list(accelerator.unwrap_model(model).state_dict().values())
+        tensors += [v for s in opt.optimizer.state_dict()["state"].values() for v in s.values() if torch.is_tensor(v)]
+        target = os.path.join(args.dir, f"raw_{rep}.bin")
+        with open(target, "wb") as f:
+            for t in tensors:
+                f.write(memoryview(t.detach().cpu().contiguous().numpy()).cast("B"))
+            f.flush()
+            os.fsync(f.fileno())
+        os.remove(target)
 
     def timed(fn, what: str = "") -> float:
         """Wall seconds, max over ranks; CPU seconds of this process (all its threads), summed over
@@ -116,6 +131,8 @@ def worker(args: argparse.Namespace) -> None:
             accelerator.wait_for_everyone()
             if accelerator.is_main_process:
                 shutil.rmtree(path)
+        if rep >= 0:
+            times.setdefault("raw fsync", {"save": []})["save"].append(timed(lambda: raw_write_fsync(rep), "raw"))
     if accelerator.is_main_process:
         n_params = sum(p.numel() for p in accelerator.unwrap_model(model).parameters())
         result = {
@@ -163,6 +180,10 @@ def table(result: dict) -> str:
             mark = "" if target is None else f" [{'ok' if r <= target else 'MISS'} <={target:g}]"
             ratios.append(f"{f'{r:.2f}{mark}':>14}")
         lines.append(f"| {label:<28} | {cells} | " + " | ".join(ratios) + " |")
+    if "raw fsync" in med:
+        lines.append(f"raw write+fsync of the same tensors by the main process (durable floor): "
+                     f"{med['raw fsync']['save']:.3f} s; bcp sync / floor = "
+                     f"{med['bcp sync']['save'] / med['raw fsync']['save']:.2f}")
     sizes = result["bytes"]
     lines.append(
         "checkpoint bytes on disk: " + ", ".join(f"{c}: {sizes.get(c, 0) / 2**20:.1f} MiB" for c in CONFIGS)
@@ -170,8 +191,29 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def print_figures(result: dict) -> None:
+    """FIGURE lines for benchmarks/run_all.py (benchmarks/figures.py)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from figures import figure
+
+    med = result["median_s"]
+    what = f"Accelerate DDP {result['nproc']} procs, {result['params'] / 1e6:.0f}M params + AdamW"
+    default = "Accelerate's default save_state/load_state"
+    figure(f"{what}: load_state", med["bcp sync"]["load"], med["default"]["load"], "<= 0.8", peer_name=default)
+    figure(f"{what}: sync save_state", med["bcp sync"]["save"], med["default"]["save"], "<= 1.3",
+           peer_name=default + " (no fsync; bcp fsyncs)")
+    figure(f"{what}: sync save_state", med["bcp sync"]["save"], med["raw fsync"]["save"], peer_name=(
+        "raw write+fsync of the same bytes by the main process (the durable floor)"))
+    figure(f"{what}: async save_state stall", med["bcp async"]["save"], med["default"]["save"], "<= 0.2",
+           peer_name=default)
+    figure(f"{what}: collective save_state (every process writes a share)", med["bcp coll"]["save"],
+           med["default"]["save"], peer_name=default)
+
+
 def main() -> int:
     args = parse()
+    if args.quick:
+        args.params_mib = min(args.params_mib, 64.0)
     if args.worker:
         worker(args)
         return 0
@@ -197,6 +239,7 @@ def main() -> int:
         if args.dir is None:
             shutil.rmtree(root, ignore_errors=True)
     print(table(result))
+    print_figures(result)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

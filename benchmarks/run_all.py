@@ -36,7 +36,7 @@ RESULTS = os.path.join(ROOT, "docs", "results.md")
 PICTURE = os.path.join(ROOT, "docs", "bench.png")
 BEGIN, END = "<!-- figures:begin (written by benchmarks/run_all.py) -->", "<!-- figures:end -->"
 # Quick-mode arguments for scripts that do not take --quick yet (their owners may drop these).
-LEGACY_QUICK = {"bench_accelerate": ["--params-mib", "64"]}
+LEGACY_QUICK: Dict[str, List[str]] = {}
 TIMEOUT_S = {"quick": 1800, "full": 5400}
 
 
