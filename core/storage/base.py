@@ -108,6 +108,10 @@ class Storage(abc.ABC):
     def exists_any(self) -> bool:
         """True when anything is stored under the root."""
 
+    def prepare(self, keys: Sequence[str]) -> None:
+        """Called with the keys a batch of writes is about to write (a hint: an object store has
+        nothing to prepare; a file system creates their directories now, in one pass)."""
+
     @abc.abstractmethod
     def sync(self) -> None:
         """Make every completed write of this process durable (no-op where writes already are)."""

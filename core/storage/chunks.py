@@ -76,11 +76,15 @@ def _bits(t: torch.Tensor) -> np.ndarray:
     return t.view(_NO_NUMPY[t.dtype]).numpy() if t.dtype in _NO_NUMPY else t.numpy()
 
 
+def zarr_json_key(meta: ArrayMeta) -> str:
+    return f"{meta.path}/zarr.json"
+
+
 def write_zarr_json(storage, meta: ArrayMeta):
     """Start writing the array's zarr.json (so tensorstore and zarr tools can open it)."""
     import json
     from .specs import zarr_json
-    return storage.write(f"{meta.path}/zarr.json", memoryview(json.dumps(zarr_json(meta), sort_keys=True).encode()))
+    return storage.write(zarr_json_key(meta), memoryview(json.dumps(zarr_json(meta), sort_keys=True).encode()))
 
 
 @dataclass
@@ -116,10 +120,12 @@ def _write_one(storage, key: str, payload: np.ndarray) -> Tuple[int, Tuple[int, 
     return len(data), block_checksums(data, BLOCK_BYTES), storage.write(key, data)
 
 
-def start_write(storage, workers, meta: ArrayMeta, array_offsets: Sequence[int], data: torch.Tensor,
-                pending: Optional[PendingWrite] = None) -> PendingWrite:
-    """Encode and start writing every chunk of the box at `array_offsets` (whole chunks only)."""
-    pending = pending or PendingWrite()
+Encoded = List[Tuple[Tuple[int, ...], str, np.ndarray]]  # (chunk index, key, payload)
+
+
+def encode_box(meta: ArrayMeta, array_offsets: Sequence[int], data: torch.Tensor) -> Encoded:
+    """Every chunk of the box at `array_offsets` (whole chunks only), as bytes to write (no copy
+    unless an edge chunk is padded)."""
     box = (tuple(array_offsets), tuple(data.shape))
     bits = _bits(data.detach().cpu() if data.is_cuda else data.detach())
     encoded = []
@@ -136,9 +142,14 @@ def start_write(storage, workers, meta: ArrayMeta, array_offsets: Sequence[int],
         encoded.append((index, payload))
     if not box[1]:  # 0-d array: a single chunk
         encoded.append(((), bits))
-    keys = [chunk_key(meta.path, index) for index, _ in encoded]
-    results = workers.map(lambda k, p: _write_one(storage, k, p), [(k, p) for k, (_, p) in zip(keys, encoded)])
-    pending.started.extend((chunk_name(index), key, results) for (index, _), key in zip(encoded, keys))
+    return [(index, chunk_key(meta.path, index), payload) for index, payload in encoded]
+
+
+def start_write(storage, workers, encoded: Encoded, pending: Optional[PendingWrite] = None) -> PendingWrite:
+    """Start writing encoded chunks on the workers; `pending.finish` waits for them."""
+    pending = pending or PendingWrite()
+    results = workers.map(lambda k, p: _write_one(storage, k, p), [(key, p) for _, key, p in encoded])
+    pending.started.extend((chunk_name(index), key, results) for index, key, _ in encoded)
     return pending
 
 

@@ -216,6 +216,9 @@ class FaultyStorage(Storage):
     def exists_any(self) -> bool:
         return self._inner.exists_any()
 
+    def prepare(self, keys) -> None:
+        self._inner.prepare(keys)
+
     def sync(self) -> None:
         self._check("sync", self.url)
         self._inner.sync()

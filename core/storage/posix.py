@@ -79,6 +79,13 @@ class PosixStorage(Storage):
             if new:
                 self._unsynced.add(d)  # the existing parent gained an entry
 
+    def prepare(self, keys: Sequence[str]) -> None:
+        try:
+            for directory in sorted({os.path.dirname(self._path(k)) for k in keys}):
+                self._makedirs(directory)
+        except OSError:
+            pass  # a hint only: the write that needs the directory reports the error, naming the tensor
+
     # ------------------------------------------------------------ bulk
     def _open_new(self, path: str):
         """Open for writing, creating the directory (again, if it vanished since it was made)."""
