@@ -18,7 +18,7 @@ import torch
 
 from .comm import Comm
 from .errors import CheckpointError, CheckpointExistsError, PeerTimeoutError
-from .metadata import FORMAT_VERSION, METADATA_FILE, ArrayMeta, Metadata, ObjectFileMeta
+from .metadata import CHECKSUM_TABLE_FILE, FORMAT_VERSION, METADATA_FILE, ArrayMeta, Metadata, ObjectFileMeta
 from .planner import SavePlan
 from .storage import Storage
 
@@ -31,7 +31,10 @@ def write_metadata(store: Storage, full: SavePlan, save_id: str, data_dir: str, 
                    info: Optional[Dict[str, Any]] = None) -> None:
     """Coordinator: commit if every rank succeeded, else raise naming the failed ranks."""
     md = build_metadata(store.url, full, save_id, data_dir, world_size, structure, results, info)
-    if not store.put(METADATA_FILE, md.to_json(), if_absent=not overwrite, durable=True):
+    raw, table = md.to_files(f"{data_dir}/{CHECKSUM_TABLE_FILE}")
+    if table is not None:  # large tables beside the data, durable before the commit point names them
+        store.put(f"{data_dir}/{CHECKSUM_TABLE_FILE}", table, durable=True)
+    if not store.put(METADATA_FILE, raw, if_absent=not overwrite, durable=True):
         store.delete_prefix(data_dir + "/")  # the losing job leaves nothing behind
         raise CheckpointExistsError(f"another job committed a checkpoint to {store.url!r} while this save was "
                                     f"running; this save was discarded and theirs is intact")

@@ -54,7 +54,7 @@ def missing_metadata_error(store: Storage) -> Exception:
 
 
 def parse_metadata(store: Storage, raw: bytes) -> Metadata:
-    return Metadata.from_json(raw, f"{store.url.rstrip('/')}/{METADATA_FILE}")
+    return Metadata.from_json(raw, f"{store.url.rstrip('/')}/{METADATA_FILE}", fetch=store.get)
 
 
 def read_metadata(store: Storage) -> Metadata:

@@ -14,15 +14,24 @@ import struct
 import zlib
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
+
+import numpy as np
 
 from . import checksums as crc
 from .errors import FormatVersionError, MetadataError
 
 FORMAT_NAME = "bytecheckpoint"
-FORMAT_VERSION = 3  # 3: regular (DTensor) layouts as one "grid" per tensor, packed checksum tables;
-                   # 2: per-block chunk checksums (ArrayMeta.block_bytes); 1 and 2 still load
+FORMAT_VERSION = 4  # 4: the packed checksum tables in a binary file beside the data when they are
+                   #    large (TABLE_FILE_MIN_BYTES); small checkpoints are still written as 3;
+                   # 3: regular (DTensor) layouts as one "grid" per tensor, packed checksum tables;
+                   # 2: per-block chunk checksums (ArrayMeta.block_bytes); 1 to 3 still load
+INLINE_TABLES_VERSION = 3
+# Checksum tables larger than this (packed bytes) go to their own file, so that metadata.json stays
+# the layout: 4096 FSDP ranks x 1000 tensors have ~12 MiB of crc32s (16 MiB as base64 in JSON).
+TABLE_FILE_MIN_BYTES = 1 << 20
 METADATA_FILE = "metadata.json"
+CHECKSUM_TABLE_FILE = "checksums.bin"  # version 4, inside the save's data directory
 MAX_NDIM = 32
 MAX_ELEMENTS = 1 << 50  # far above any real tensor; rejects absurd shapes before allocation
 
@@ -106,34 +115,67 @@ class Metadata:
 
     def to_json(self) -> bytes:
         """Canonical JSON (sorted keys, no spaces) with a crc32 of everything else as `checksum`.
-        Written in the form of `version` (grid tensors are spelled out as regions before version 3)."""
-        tables: Optional[Dict[Any, int]] = {} if self.version >= 3 else None
+        Written in the form of `version` (grid tensors are spelled out as regions before version 3;
+        version 4 is written as 3: tables inline, see to_files)."""
+        return self._to_json(None)[0]
+
+    def to_files(self, table_key: str) -> Tuple[bytes, Optional[bytes]]:
+        """(metadata.json, checksum table file or None). With tables over TABLE_FILE_MIN_BYTES
+        (version 4) they are one little-endian uint32 file at `table_key`, and metadata.json names
+        it with its length and crc32; else (None) the tables are inline, written as version 3."""
+        return self._to_json(table_key)
+
+    def _to_json(self, table_key: Optional[str]) -> Tuple[bytes, Optional[bytes]]:
+        version = self.version
+        packed = {k: _packed_table(a) for k, a in self.arrays.items()} if version >= 3 else {}
+        table_bytes = 4 * sum(len(t) for t in packed.values())
+        to_file = version >= 4 and table_key is not None and table_bytes > TABLE_FILE_MIN_BYTES
+        if version >= 4 and not to_file:
+            version = INLINE_TABLES_VERSION
+        tables: Optional[Dict[Any, int]] = {} if version >= 3 else None
+        arrays: Dict[str, Any] = {}
+        start = 0
+        for k, a in self.arrays.items():
+            if version < 3:
+                arrays[k] = _array_to_json_v2(a)
+            elif to_file:
+                arrays[k] = {**_array_head(a), "crc32_at": start}
+                start += len(packed[k])
+            else:
+                arrays[k] = {**_array_head(a), "crc32": crc.encode(packed[k])}
         parts = {
             "format": FORMAT_NAME,
-            "version": self.version,
+            "version": version,
             "save_id": self.save_id,
             "world_size": self.world_size,
             "tensors": {k: _tensor_to_json(t, tables) for k, t in self.tensors.items()},
-            "arrays": {k: _array_to_json(a, self.version) for k, a in self.arrays.items()},
+            "arrays": arrays,
             "objects": [asdict(o) for o in self.objects],
             "structure": self.structure,
             "info": dict(self.info),
         }
         if tables is not None:
             parts["meshes"] = [t.tolist() for t in tables]
+        table = None
+        if to_file:
+            table = b"".join(np.asarray(packed[k], dtype="<u4").tobytes() for k in self.arrays)
+            parts["checksum_table"] = {"path": table_key, "nbytes": len(table), "crc32": zlib.crc32(table)}
         # each value is serialised once; the checksum is spliced in at its sorted place
         dumped = {k: json.dumps(v, sort_keys=True, separators=(",", ":")) for k, v in parts.items()}
         canonical = "{" + ",".join(f"{json.dumps(k)}:{dumped[k]}" for k in sorted(dumped)) + "}"
         dumped["checksum"] = str(zlib.crc32(canonical.encode()))
-        return ("{" + ",".join(f"{json.dumps(k)}:{dumped[k]}" for k in sorted(dumped)) + "}").encode()
+        return ("{" + ",".join(f"{json.dumps(k)}:{dumped[k]}" for k in sorted(dumped)) + "}").encode(), table
 
     @staticmethod
-    def from_json(raw: bytes, where: str = "metadata") -> "Metadata":
+    def from_json(raw: bytes, where: str = "metadata",
+                  fetch: Optional[Callable[[str], Optional[bytes]]] = None) -> "Metadata":
+        """`fetch(path)`: the bytes of a file of the checkpoint (the checksum table of version 4),
+        or None when it is missing."""
         try:
             body = json.loads(raw)
         except (ValueError, UnicodeDecodeError, RecursionError) as exc:
             raise MetadataError(f"{where}: not valid JSON ({exc}); the file is damaged") from None
-        return _parse(body, where)
+        return _parse(body, where, fetch)
 
 
 def dtype_itemsize(dtype: str) -> int:
@@ -162,34 +204,63 @@ def _tensor_to_json(t: TensorMeta, tables: Optional[Dict[Any, int]]) -> Dict[str
     return {**head, "array": default, "regions": regions}
 
 
-def _array_to_json(a: ArrayMeta, version: int) -> Dict[str, Any]:
-    """Version 3: `crc32` is the packed table of every chunk's checksum(s) (checksums.py);
-    before: a {chunk name: checksum(s)} object (_array_to_json_v2)."""
-    if version < 3:
-        return _array_to_json_v2(a)
-    out = {"path": a.path, "shape": list(a.shape), "chunks": list(a.chunks), "dtype": a.dtype,
-           "block_bytes": a.block_bytes}
+def _array_head(a: ArrayMeta) -> Dict[str, Any]:
+    return {"path": a.path, "shape": list(a.shape), "chunks": list(a.chunks), "dtype": a.dtype,
+            "block_bytes": a.block_bytes}
+
+
+def _packed_table(a: ArrayMeta):
+    """Version 3+: the packed table of every chunk's checksum(s), row-major (checksums.py)."""
     per_chunk = blocks_per_chunk(a.chunks, a.dtype, a.block_bytes) if a.block_bytes else 1
     try:
-        table = crc.pack(crc.grid_counts(a.shape, a.chunks), a.checksums, per_chunk if a.block_bytes else 0)
+        return crc.pack(crc.grid_counts(a.shape, a.chunks), a.checksums, per_chunk if a.block_bytes else 0)
     except KeyError as exc:
         raise ValueError(f"array {a.path!r}: no checksum for chunk {exc}") from None
     except ValueError as exc:
         raise ValueError(f"array {a.path!r}: {exc}") from None
-    return {**out, "crc32": crc.encode(table)}
 
 
 def _parse_packed(a: Dict[str, Any], shape: Tuple[int, ...], chunks: Tuple[int, ...], dtype: str, n_chunks: int,
-                  w: str) -> Tuple[Mapping[str, Any], int]:
-    """Version 3: exactly one packed value per chunk (per block with block_bytes > 0)."""
-    _expect("checksums" not in a, w, "version 3 stores a packed crc32 table, not checksums")
+                  w: str, table_file: Optional[np.ndarray]) -> Tuple[Mapping[str, Any], int]:
+    """Version 3+: exactly one packed value per chunk (per block with block_bytes > 0), base64 in
+    `crc32`, or (version 4) at value offset `crc32_at` of the checksum table file."""
+    _expect("checksums" not in a, w, "version 3+ stores a packed crc32 table, not checksums")
     block = _int(a.get("block_bytes"), w, 0, 1 << 40)
     per_chunk = blocks_per_chunk(chunks, dtype, block) if block else 1
-    try:
-        table = crc.decode(a.get("crc32"), n_chunks * per_chunk)
-    except ValueError:
-        raise _fail(w, f"crc32 is not a packed table of {n_chunks} x {per_chunk} checksums") from None
+    n = n_chunks * per_chunk
+    if table_file is not None:
+        _expect("crc32" not in a, w, "both crc32 and crc32_at")
+        at = _int(a.get("crc32_at"), w, 0, len(table_file))
+        _expect(at + n <= len(table_file), w, f"crc32_at {at} + {n} checksums runs past the checksum table")
+        table = table_file[at:at + n]
+    else:
+        try:
+            table = crc.decode(a.get("crc32"), n)
+        except ValueError:
+            raise _fail(w, f"crc32 is not a packed table of {n_chunks} x {per_chunk} checksums") from None
     return crc.PackedChecksums(crc.grid_counts(shape, chunks), table, per_chunk if block else 0), block
+
+
+def _read_table_file(body: Dict[str, Any], where: str,
+                     fetch: Optional[Callable[[str], Optional[bytes]]]) -> Optional[np.ndarray]:
+    """Version 4: the checksum table file named in metadata.json, checked against its length and crc32."""
+    entry = body.get("checksum_table")
+    if entry is None:
+        return None
+    w = f"{where}.checksum_table"
+    _expect(isinstance(entry, dict), w, "entry is not an object")
+    path = safe_relative_path(entry.get("path"), w)
+    nbytes = _int(entry.get("nbytes"), w, 0, 1 << 40)
+    expected = _int(entry.get("crc32"), w, 0, (1 << 32) - 1)
+    _expect(nbytes % 4 == 0, w, "nbytes is not a multiple of 4")
+    raw = fetch(path) if fetch is not None else None
+    if raw is None:
+        raise MetadataError(f"{where}: its checksum table {path!r} is missing; the checkpoint is incomplete or "
+                            "damaged (it cannot be verified, so it is not loaded)")
+    if len(raw) != nbytes or zlib.crc32(raw) != expected:
+        raise MetadataError(f"{where}: its checksum table {path!r} fails its length/crc32 check "
+                            f"({len(raw)} bytes, expected {nbytes}); the checkpoint is damaged")
+    return np.frombuffer(raw, dtype="<u4")
 
 
 def _array_to_json_v2(a: ArrayMeta) -> Dict[str, Any]:
@@ -259,7 +330,7 @@ def safe_relative_path(p: Any, where: str) -> str:
     return p
 
 
-def _parse(body: Any, where: str) -> Metadata:
+def _parse(body: Any, where: str, fetch: Optional[Callable[[str], Optional[bytes]]] = None) -> Metadata:
     _expect(isinstance(body, dict), where, "top level is not an object")
     _expect(body.get("format") == FORMAT_NAME, where, f"format is {body.get('format')!r:.40}, not {FORMAT_NAME!r}")
     version = _int(body.get("version"), f"{where}.version", 0, 1 << 30)
@@ -276,6 +347,7 @@ def _parse(body: Any, where: str) -> Metadata:
             where, "bad save_id")
     world = _int(body.get("world_size"), f"{where}.world_size", 1, 1 << 24)
 
+    table_file = _read_table_file(body, where, fetch) if version >= 4 else None
     arrays_raw = body.get("arrays")
     _expect(isinstance(arrays_raw, dict), where, "arrays is not an object")
     arrays: Dict[str, ArrayMeta] = {}
@@ -290,7 +362,7 @@ def _parse(body: Any, where: str) -> Metadata:
         # every chunk has a checksum: bounds the chunk count by the metadata's own size
         n_chunks = math.prod(-(-s // c) for s, c in zip(shape, chunks)) if shape else 1
         if version >= 3:
-            sums, block = _parse_packed(a, shape, chunks, a["dtype"], n_chunks, w)
+            sums, block = _parse_packed(a, shape, chunks, a["dtype"], n_chunks, w, table_file)
         else:
             sums, block = _parse_sums(a, chunks, a["dtype"], version, w)
             _expect(n_chunks == len(sums), w, f"{n_chunks} chunks but {len(sums)} checksums")

@@ -1,4 +1,4 @@
-"""Pins the on-disk format v3 (docs/format.md). A change here is a format change: bump
+"""Pins the on-disk format v3 and v4 (docs/format.md). A change here is a format change: bump
 FORMAT_VERSION and document it instead of editing the expectations. Format 1 and 2 checkpoints
 (written by the code of those versions, kept under data/format_v1 and data/format_v2) must still
 load and verify."""
@@ -10,6 +10,7 @@ import struct
 import zlib
 from pathlib import Path
 
+import pytest
 import tensorstore as ts
 import torch
 
@@ -181,3 +182,41 @@ def test_metadata_round_trips_through_every_version(tmp_path):
             assert list(old.tensors[k].regions) == list(t.regions)
         for p, a in source.arrays.items():
             assert dict(old.arrays[p].checksums) == dict(a.checksums) and old.arrays[p].block_bytes == a.block_bytes
+
+
+def test_version_4_keeps_large_checksum_tables_in_a_checked_file_beside_the_data(tmp_path, monkeypatch):
+    """Tables over TABLE_FILE_MIN_BYTES go to <data dir>/checksums.bin (little-endian uint32, named
+    in metadata.json with its length and crc32); the checkpoint loads and verifies as before, and
+    a missing or damaged table file fails the load instead of skipping the checks."""
+    from bytecheckpoint import metadata as md_module
+    from bytecheckpoint.errors import MetadataError
+    monkeypatch.setattr(md_module, "TABLE_FILE_MIN_BYTES", 0)
+    state = {"w": torch.arange(3000.0).view(30, 100), "b": torch.ones(7), "step": 3}
+    bcp.save(str(tmp_path / "c"), state)
+    body = json.loads((tmp_path / "c" / "metadata.json").read_text())
+    entry = body["checksum_table"]
+    table = tmp_path / "c" / entry["path"]
+    assert body["version"] == 4 and entry["path"] == f"{body['info']['data_dir']}/checksums.bin"
+    assert all("crc32" not in a and "crc32_at" in a for a in body["arrays"].values())
+    assert table.stat().st_size == entry["nbytes"] and zlib.crc32(table.read_bytes()) == entry["crc32"]
+    out = {"w": torch.zeros(30, 100), "b": torch.zeros(7), "step": 0}
+    bcp.load(str(tmp_path / "c"), out)
+    assert torch.equal(out["w"], state["w"]) and torch.equal(out["b"], state["b"]) and out["step"] == 3
+    assert bcp.verify(str(tmp_path / "c")).ok and bcp.inspect(str(tmp_path / "c")).format_version == 4
+
+    chunk = next(p for p in (tmp_path / "c").rglob("*") if p.is_file() and "/w~" in str(p) and "zarr.json" not in p.name)
+    data = bytearray(chunk.read_bytes())
+    data[5] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+    assert not bcp.verify(str(tmp_path / "c")).ok  # the chunk checksums come from the table file
+    data[5] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+
+    raw = bytearray(table.read_bytes())
+    raw[0] ^= 0x01
+    table.write_bytes(bytes(raw))
+    with pytest.raises(MetadataError, match="checksums.bin.*damaged"):
+        bcp.Checkpointer().load(str(tmp_path / "c"), out)  # a fresh engine: nothing parsed before
+    table.unlink()
+    with pytest.raises(MetadataError, match="checksums.bin.*missing"):
+        bcp.Checkpointer().load(str(tmp_path / "c"), out)
