@@ -34,6 +34,9 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from figures import figure  # noqa: E402  (benchmarks/figures.py: the FIGURE lines run_all.py collects)
+
 CONFIGS = ("torch", "torch async", "bcp sync", "bcp async")
 
 
@@ -49,6 +52,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("--skip-stall", action="store_true", help="only the DDP resume-load comparison")
     p.add_argument("--skip-ddp-load", action="store_true", help="only the stall comparison")
+    p.add_argument("--quick", action="store_true", help="16 MiB of parameters, 2 repeats (a smaller, faster run)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--make-ckpt", default=None, help=argparse.SUPPRESS)
     p.add_argument("--ddp-load", default=None, help=argparse.SUPPRESS)
@@ -200,6 +204,8 @@ def main() -> None:
     if args.worker:
         print("RESULT " + json.dumps(worker(args)))
         return
+    if args.quick:
+        args.params_mib, args.repeats = min(args.params_mib, 16.0), min(args.repeats, 2)
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     if not args.skip_stall:
         stall_table(args, env)
@@ -243,6 +249,8 @@ def load_table(args: argparse.Namespace, env: dict) -> None:
     print(f"| TorchCheckpointIO | {med['torch']:.3f} | 1.00 | |")
     ratio = med["bcp"] / med["torch"]
     print(f"| ByteCheckpointIO | {med['bcp']:.3f} | {ratio:.2f} | <= 0.8 ({'met' if ratio <= 0.8 else 'MISSED'}) |")
+    figure(f"Lightning DDP 2 procs: resume load (~{args.params_mib:.0f} MiB params + Adam)", med["bcp"], med["torch"],
+           "<= 0.8", peer_name="TorchCheckpointIO (every rank torch.loads the file)")
 
 
 def _free_port() -> int:
@@ -283,6 +291,13 @@ def stall_table(args: argparse.Namespace, env: dict) -> None:
     ratio = ref["stall_s"] / med["bcp async"]["stall_s"]
     print(f"\ntarget: bcp async stall far below torch's (ratio >> 1): {ratio:.1f}x "
           f"({'met' if ratio >= 3 else 'MISSED'} at >= 3x)")
+    what = f"Lightning 1 process, ~{args.params_mib:.0f} MiB params + Adam"
+    figure(f"{what}: async checkpoint stall", med["bcp async"]["stall_s"], ref["stall_s"], "<= 0.33",
+           peer_name="TorchCheckpointIO (torch.save on the training thread)")
+    figure(f"{what}: async checkpoint stall", med["bcp async"]["stall_s"], med["torch async"]["stall_s"],
+           peer_name="AsyncCheckpointIO(TorchCheckpointIO)")
+    figure(f"{what}: sync checkpoint stall", med["bcp sync"]["stall_s"], ref["stall_s"],
+           peer_name="TorchCheckpointIO (no fsync; bcp fsyncs)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "runs": results, "median": med}, f, indent=1)
