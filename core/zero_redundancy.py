@@ -47,9 +47,9 @@ def whole_chunks(md: Metadata, needs: Dict[ChunkRef, Any]) -> List[ChunkRef]:
     out = []
     for (array, index), parts in needs.items():
         meta = md.arrays[array]
-        full = 1
-        for c in meta.chunks:
-            full *= c
+        full = 1  # the chunk's elements inside the array (an edge chunk's padding is nobody's need)
+        for c, s, i in zip(meta.chunks, meta.shape, index):
+            full *= min(c, s - i * c)
         got = 0
         for part, _ in parts:
             n = 1
