@@ -25,7 +25,12 @@ test-faults: $(STAMP)
 demo: $(STAMP)
 	$(PY) examples/demo.py
 
-bench: $(STAMP)
+BENCH := $(VENV)/.bench
+$(BENCH): $(STAMP)
+	$(PY) -m pip install -q $(TORCH) -e '.[dev,bench]'
+	touch $(BENCH)
+
+bench: $(BENCH)
 	$(PY) benchmarks/run_all.py
 
 clean:
