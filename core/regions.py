@@ -93,18 +93,23 @@ def chunk_grid(shape: Sequence[int], boxes: Iterable[Box]) -> Tuple[int, ...]:
 
 
 def refine_chunks(grid: Tuple[int, ...], shape: Sequence[int], itemsize: int, target_bytes: int) -> Tuple[int, ...]:
-    """Divide the dim-0 chunk size by a whole factor until chunks are near `target_bytes`."""
+    """Split chunks along dim 0 towards `target_bytes`. With no box edge inside dim 0 (grid[0] is
+    the whole dim) the tensor's end needs no boundary: ceil-divided rows, at most one short edge
+    chunk. Otherwise the chunk rows must divide grid[0]: the divisor nearest the target (a prime
+    row count once gave one-row chunks, thousands of files for one tensor)."""
     if not grid:
         return grid
     chunk_bytes = volume(grid) * itemsize
     rows = grid[0]
     if chunk_bytes <= target_bytes or rows < 2:
         return grid
-    want = max(1, rows * target_bytes // chunk_bytes)
-    for f in range(max(2, -(-rows // want)), rows + 1):
-        if rows % f == 0:
-            return (rows // f,) + tuple(grid[1:])
-    return grid
+    if len(shape) and rows == shape[0]:
+        pieces = min(rows, -(-chunk_bytes // target_bytes))
+        return (-(-rows // pieces),) + tuple(grid[1:])
+    row_bytes = chunk_bytes / rows
+    divisors = {d for i in range(1, math.isqrt(rows) + 1) if rows % i == 0 for d in (i, rows // i)}
+    best = min(sorted(divisors), key=lambda per: abs(math.log(per * row_bytes / target_bytes)))
+    return (best,) + tuple(grid[1:])
 
 
 def chunk_count(shape: Sequence[int], chunks: Sequence[int]) -> int:

@@ -64,3 +64,15 @@ def test_layout_problems_named():
     msg, _ = find_layout_problem((4, 4), [((3, 0), (2, 4))])
     assert "outside" in msg
     assert volume(()) == 1
+
+
+def test_chunks_are_refined_towards_the_target_without_one_row_chunks():
+    from bytecheckpoint.regions import refine_chunks
+    mib16, row = 16 << 20, 4096 * 4
+    # the whole dim in one chunk row: ceil-divided, one short edge chunk (1367 is prime)
+    assert refine_chunks((1367, 4096), (1367, 4096), 4, mib16) == (684, 4096)
+    # box edges every 2734 rows: a divisor of 2734 = 2 x 1367, the one nearest 16 MiB (not 2 rows)
+    assert refine_chunks((2734, 4096), (5468, 4096), 4, mib16) == (1367, 4096)
+    assert refine_chunks((4096, 4096), (16384, 4096), 4, mib16) == (1024, 4096)
+    assert refine_chunks((100, 4096), (100, 4096), 4, mib16) == (100, 4096)  # already small
+    assert 1367 * row > mib16
