@@ -23,9 +23,8 @@ class Slot:
 
 
 class StagingPool:
-    def __init__(self, slots: int = 2, copy_threads: int = 2):
+    def __init__(self, slots: int = 2):
         self._slots = [Slot(i) for i in range(max(1, slots))]
-        self._copy_threads = max(1, copy_threads)
         self._next = 0
         self._cond = threading.Condition()
         self._stream = None
@@ -50,7 +49,6 @@ class StagingPool:
         out: List[torch.Tensor] = []
         live = set()
         cuda_sources = False
-        host_copies: List[Tuple[torch.Tensor, torch.Tensor]] = []
         for key, src in items:
             buf = slot.buffers.get(key)
             if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
@@ -62,9 +60,8 @@ class StagingPool:
                 with torch.cuda.stream(self._side_stream()):
                     buf.copy_(src, non_blocking=True)
             else:
-                host_copies.append((buf, src))
+                buf.copy_(src)
             out.append(buf)
-        copy_in_parallel(host_copies, self._copy_threads)
         if cuda_sources:
             # The copies must land before training mutates the sources again.
             self._side_stream().synchronize()
@@ -107,48 +104,6 @@ class StagingPool:
             for slot in self._slots:
                 slot.buffers.clear()
             self._stream = None
-
-
-# Below this many bytes a helper thread's start costs more than it saves.
-PARALLEL_COPY_MIN_BYTES = 16 << 20
-
-
-def copy_in_parallel(pairs: List[Tuple[torch.Tensor, torch.Tensor]], threads: int) -> None:
-    """dst.copy_(src) for each pair, spread over `threads` threads by bytes (the caller's thread
-    is one of them). copy_ releases the GIL; with torch's intra-op pool at one thread (the usual
-    setting with one process per core) one thread does not reach the memory bandwidth: 768 MiB
-    took 0.070 s on one thread and 0.058 s on two (docs/results.md). The helpers end with the
-    call: an idle Checkpointer holds no thread."""
-    total = sum(src.numel() * src.element_size() for _, src in pairs)
-    threads = min(threads, len(pairs), max(1, total // (PARALLEL_COPY_MIN_BYTES // 2)))
-    if threads <= 1:
-        for dst, src in pairs:
-            dst.copy_(src)
-        return
-    shares: List[List[Tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(threads)]
-    loads = [0] * threads
-    for dst, src in sorted(pairs, key=lambda p: -p[1].numel() * p[1].element_size()):
-        i = loads.index(min(loads))  # largest first onto the least loaded share
-        shares[i].append((dst, src))
-        loads[i] += src.numel() * src.element_size()
-    errors: List[BaseException] = []
-
-    def run(share):
-        try:
-            for dst, src in share:
-                dst.copy_(src)
-        except BaseException as exc:  # re-raised on the caller's thread
-            errors.append(exc)
-
-    helpers = [threading.Thread(target=run, args=(share,), name="bytecheckpoint-stage", daemon=True)
-               for share in shares[1:]]
-    for t in helpers:
-        t.start()
-    run(shares[0])
-    for t in helpers:
-        t.join()
-    if errors:
-        raise errors[0]
 
 
 def _new_buffer(like: torch.Tensor) -> torch.Tensor:

@@ -2,10 +2,7 @@
 import threading
 import time
 
-import pytest
 import torch
-
-from bytecheckpoint import staging
 
 from bytecheckpoint.staging import StagingPool
 
@@ -58,35 +55,3 @@ def test_layout_change_drops_stale_buffers():
     pool.stage(slot, [(("y", (0,), (2,), torch.float32), torch.ones(2))])
     assert list(slot.buffers) == [("y", (0,), (2,), torch.float32)]
     pool.release(slot)
-
-
-def test_large_copies_are_spread_over_helper_threads_that_end_with_the_call(monkeypatch):
-    seen = set()
-    real_copy = torch.Tensor.copy_
-
-    def spy(self, src, *a, **k):
-        seen.add(threading.current_thread().name)
-        return real_copy(self, src, *a, **k)
-
-    sources = [torch.randn(1 << 20) for _ in range(8)]  # 32 MiB
-    dests = [torch.empty_like(s) for s in sources]
-    monkeypatch.setattr(torch.Tensor, "copy_", spy)
-    staging.copy_in_parallel(list(zip(dests, sources)), threads=2)
-    monkeypatch.undo()
-    assert all(torch.equal(d, s) for d, s in zip(dests, sources))
-    assert seen == {threading.current_thread().name, "bytecheckpoint-stage"}
-    assert not [t for t in threading.enumerate() if t.name == "bytecheckpoint-stage"]
-
-
-def test_small_copies_stay_on_the_callers_thread_and_errors_surface(monkeypatch):
-    seen = set()
-    real_copy = torch.Tensor.copy_
-    monkeypatch.setattr(torch.Tensor, "copy_",
-                        lambda self, src, *a, **k: (seen.add(threading.current_thread().name),
-                                                    real_copy(self, src, *a, **k))[1])
-    staging.copy_in_parallel([(torch.empty(10), torch.ones(10)), (torch.empty(10), torch.ones(10))], threads=2)
-    assert seen == {threading.current_thread().name}
-    monkeypatch.undo()
-    big = [(torch.empty(1 << 20), torch.ones(1 << 20)) for _ in range(7)] + [(torch.empty(3), torch.ones(1 << 20))]
-    with pytest.raises(RuntimeError):  # a shape mismatch in any share reaches the caller
-        staging.copy_in_parallel(big, threads=2)
