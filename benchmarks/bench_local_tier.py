@@ -29,7 +29,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-sys.path[:0] = [os.path.join(ROOT, "tests"), os.path.join(ROOT, "tests", "integration")]
+sys.path[:0] = [HERE, os.path.join(ROOT, "tests"), os.path.join(ROOT, "tests", "integration")]
+from figures import figure  # noqa: E402  (benchmarks/figures.py: the FIGURE lines run_all.py collects)
 
 
 # ---------------------------------------------------------------------- rank programs
@@ -105,7 +106,10 @@ def main(argv=None) -> int:
     ap.add_argument("--saves", type=int, default=4)
     ap.add_argument("--step-s", type=float, default=1.0, help="simulated training step time T")
     ap.add_argument("--budget", type=float, default=0.02, help="stall budget b, fraction of training time")
+    ap.add_argument("--quick", action="store_true", help="32 MiB per rank, 3 saves")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.mib, args.saves = min(args.mib, 32), min(args.saves, 3)
     from seaweed import SeaweedS3
     os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
@@ -138,6 +142,14 @@ def main(argv=None) -> int:
         k = max(1, math.ceil(r["stall"] / (b * T)), math.ceil(r["background"] / T))
         rec = f"{r['recovery']:.2f}" if "recovery" in r else "—"
         print(f"| {label} | {r['stall']:.3f} | {r['background']:.2f} | {k} | {k / 2 + 1:.1f} | {rec} |", flush=True)
+    local, s3 = rows["local"], rows["persistent, S3 (SeaweedFS)"]
+    what = f"local tier ({args.mib} MiB per rank, 2 ranks)"
+    peer = "the persistent tier on S3 (SeaweedFS), same run"
+    figure(f"{what}: stall per save", local["stall"], s3["stall"], peer_name=peer)
+    figure(f"{what}: save to committed", local["background"], s3["background"], peer_name=peer)
+    if "recovery" in local and "recovery" in s3:
+        figure(f"{what}: recovery after losing a node, start to first step", local["recovery"], s3["recovery"],
+               peer_name=peer)
     return 0
 
 
