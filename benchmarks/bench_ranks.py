@@ -301,8 +301,16 @@ def s3_save_load(url: str, opts: dict, mib: int, reps: int):
         have_s3fs = True
     except ImportError:
         have_s3fs = False
-    results: Dict[str, List[float]] = {"bcp_save": [], "bcp_load": [], "dcp_save": [], "dcp_load": []}
+    results: Dict[str, List[float]] = {"bcp_save": [], "bcp_load": [], "dcp_save": [], "dcp_load": [],
+                                       "raw_put": [], "raw_get": []}
+    local = [(v.to_local() if isinstance(v, DTensor) else v).contiguous() for v in state.values()]
+    pieces = [memoryview(p.numpy()).cast("B") for t in local for p in t.view(-1).split(4 << 20)]  # 16 MiB fp32
     for rep in range(reps):
+        # the floor: the same bytes as 16 MiB objects through the same client, no checkpoint logic
+        store = ckpt.storage(f"{url}/raw_{rep}")
+        keys = [f"rank{rank}/{i}" for i in range(len(pieces))]
+        results["raw_put"].append(timed(lambda: [r.result() for r in [store.write(k, p) for k, p in zip(keys, pieces)]]))
+        results["raw_get"].append(timed(lambda: [r.result() for r in [store.read(k) for k in keys]]))
         path = f"{url}/bcp_{rep}"
         results["bcp_save"].append(timed(lambda: ckpt.save(path, state)))
         tgt = zeros_like_state(state)

@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     r = {k: med(v) for k, v in main_run["results"].items()}
     print(f"\nstate: {size:.0f} MiB FSDP-sharded over 2 ranks; {reps} interleaved repetitions, medians; "
           f"load average {os.getloadavg()[0]:.1f}")
-    for k in ("bcp_save", "bcp_load", "dcp_save", "dcp_load"):
+    for k in ("bcp_save", "bcp_load", "dcp_save", "dcp_load", "raw_put", "raw_get"):
         print(f"  {k}: {r[k]:.2f} s = {size / r[k]:.0f} MiB/s" if main_run["results"][k] else f"  {k}: skipped")
     if main_run["have_s3fs"]:
         figure("object store save, 2 ranks", size / r["bcp_save"], size / r["dcp_save"], ">= 2", unit="MiB/s",
@@ -73,6 +73,9 @@ def main(argv=None) -> int:
                peer_name="DCP + fsspec/s3fs")
     else:
         print("s3fs is not installed: the DCP + s3fs peer was skipped (pip install s3fs)")
+    floor = "the same bytes as 16 MiB PUTs/GETs through the same client (the server's floor)"
+    figure("object store save, 2 ranks", size / r["bcp_save"], size / r["raw_put"], unit="MiB/s", peer_name=floor)
+    figure("object store load, 2 ranks", size / r["bcp_load"], size / r["raw_get"], unit="MiB/s", peer_name=floor)
     rr = {k: med(v) for k, v in rep["results"].items()}
     figure("object store, replicated load 2 ranks: zero-redundancy on", rr["on"], rr["off"], "<= 0.8",
            peer_name="the same load with it off",
