@@ -144,9 +144,8 @@ class StallParts:
         self.on = False
         self.thread = threading.main_thread()  # only the training thread's calls count
         for label, owner, name in (("arrival check (monitored barrier)", Comm, "arrive"),
-                                   ("failure agreement (all-gather)", Comm, "agree"),
                                    ("flatten + manifest", checkpointer, "_prepare"),
-                                   ("plan check (cached: all-reduce + broadcast)", saver, "plan"),
+                                   ("plan check + failure agreement (cached: one all-reduce + broadcast)", saver, "plan"),
                                    ("copy into the staging slot", staging.StagingPool, "stage"),
                                    ("background thread start", workers.BackgroundRunner, "submit")):
             self._wrap(label, owner, name)
@@ -210,8 +209,8 @@ def save_and_load(root: str, mib: int, reps: int):
         h = bcp.save(p, state, async_save=True)
         took = time.perf_counter() - t0
         stall.on = False
-        labels = ("arrival check (monitored barrier)", "failure agreement (all-gather)", "flatten + manifest",
-                  "plan check (cached: all-reduce + broadcast)", "copy into the staging slot",
+        labels = ("arrival check (monitored barrier)", "flatten + manifest",
+                  "plan check + failure agreement (cached: one all-reduce + broadcast)", "copy into the staging slot",
                   "background thread start")  # the same collectives on every rank
         parts.append({k: max_over_ranks(stall.parts.get(k, 0.0)) for k in labels})
         h.wait()

@@ -128,9 +128,13 @@ class Checkpointer:
             begin = lambda: saver.begin(store, overwrite, self._read_metadata)  # noqa: E731
         else:
             raise CheckpointError(f"save: tier must be 'persistent' or 'local', got {tier!r}")
-        flat, manifest, blob = comm.run(lambda: _prepare(state, self.options.fsdp1_route),
-                                        "preparing the state for save")
-        local, full, save_id, old_data = saver.plan(comm, manifest, self._plans, begin)
+        try:
+            flat, manifest, blob = _prepare(state, self.options.fsdp1_route)
+            prepare_error = None
+        except Exception as exc:  # noqa: BLE001 - every rank raises it, from saver.plan
+            flat = manifest = blob = None
+            prepare_error = exc
+        local, full, save_id, old_data = saver.plan(comm, manifest, self._plans, begin, prepare_error)
         data = saver.sources(flat, local.writes)
         handle = SaveHandle(str(path), pending=self._pending)
         if tier == "local":

@@ -110,11 +110,15 @@ class Comm:
         return out[0]
 
     def all_true(self, flag: bool) -> bool:
+        return bool(self.min_int(1 if flag else 0))
+
+    def min_int(self, value: int) -> int:
+        """The smallest of every rank's `value` (one all-reduce: several yes/no questions at once)."""
         if not self.enabled or self.world_size == 1:
-            return flag
-        t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self._device())
+            return value
+        t = torch.tensor([value], dtype=torch.int64, device=self._device())
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
-        return bool(t.item())
+        return int(t.item())
 
     def barrier(self) -> None:
         if self.enabled and self.world_size > 1:

@@ -93,15 +93,27 @@ def begin(store: Storage, overwrite: bool, read_metadata: Callable[[Storage], Me
     return new_save_id(), old_data
 
 
-def plan(comm: Comm, manifest: RankManifest, cache: PlanCache, begin: Callable[[], Tuple[str, Optional[str]]]
-         ) -> Tuple[LocalPlan, Optional[SavePlan], str, Optional[str]]:
+PREPARE_FAILED, NEW_PLAN, CACHED_PLAN = 0, 1, 2
+
+
+def plan(comm: Comm, manifest: Optional[RankManifest], cache: PlanCache,
+         begin: Callable[[], Tuple[str, Optional[str]]], prepare_error: Optional[BaseException] = None,
+         what: str = "preparing the state for save") -> Tuple[LocalPlan, Optional[SavePlan], str, Optional[str]]:
     """Collective: this rank's part of the save plan (the whole plan on the coordinator), and what
     `begin()` returns on the coordinator: the save id and the data directory of the checkpoint it
-    replaces (if any)."""
-    fingerprint = hashlib.sha1(pickle.dumps((comm.world_size, manifest))).hexdigest()
+    replaces (if any). `prepare_error`: this rank could not prepare its state (`what`); every rank
+    then raises, naming the ranks that failed."""
+    fingerprint = None if prepare_error is not None else hashlib.sha1(pickle.dumps((comm.world_size, manifest))).hexdigest()
     cache_key = comm.key
     cached = cache.get(cache_key)
-    if comm.all_true(cached is not None and cached.fingerprint == fingerprint):
+    hit = fingerprint is not None and cached is not None and cached.fingerprint == fingerprint
+    # One all-reduce answers both questions of a steady-state save (did every rank prepare its
+    # state; does every rank's cached plan still hold): an async save's stall is mostly these.
+    status = comm.min_int(PREPARE_FAILED if prepare_error is not None else CACHED_PLAN if hit else NEW_PLAN)
+    if status == PREPARE_FAILED:
+        comm.agree(prepare_error, what)  # raises on every rank: some rank failed
+        raise CheckpointError(f"internal: {what} failed on some rank but no rank reported an error")
+    if status == CACHED_PLAN:
         save_id, old = comm.run_on_coordinator(begin, "checking the save path")
         return cached.local, cached.full, save_id, old
 
