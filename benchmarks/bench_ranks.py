@@ -145,7 +145,8 @@ class StallParts:
         self.thread = threading.main_thread()  # only the training thread's calls count
         for label, owner, name in (("arrival check (monitored barrier)", Comm, "arrive"),
                                    ("flatten + manifest", checkpointer, "_prepare"),
-                                   ("plan check + failure agreement (cached: one all-reduce + broadcast)", saver, "plan"),
+                                   ("plan check + failure agreement (cached: one all-reduce + broadcast)", saver,
+                                    "plan"),
                                    ("copy into the staging slot", staging.StagingPool, "stage"),
                                    ("background thread start", workers.BackgroundRunner, "submit")):
             self._wrap(label, owner, name)
@@ -308,7 +309,8 @@ def s3_save_load(url: str, opts: dict, mib: int, reps: int):
         # the floor: the same bytes as 16 MiB objects through the same client, no checkpoint logic
         store = ckpt.storage(f"{url}/raw_{rep}")
         keys = [f"rank{rank}/{i}" for i in range(len(pieces))]
-        results["raw_put"].append(timed(lambda: [r.result() for r in [store.write(k, p) for k, p in zip(keys, pieces)]]))
+        put = lambda: [r.result() for r in [store.write(k, p) for k, p in zip(keys, pieces)]]  # noqa: E731
+        results["raw_put"].append(timed(put))
         results["raw_get"].append(timed(lambda: [r.result() for r in [store.read(k) for k in keys]]))
         path = f"{url}/bcp_{rep}"
         results["bcp_save"].append(timed(lambda: ckpt.save(path, state)))

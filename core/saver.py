@@ -103,7 +103,8 @@ def plan(comm: Comm, manifest: Optional[RankManifest], cache: PlanCache,
     `begin()` returns on the coordinator: the save id and the data directory of the checkpoint it
     replaces (if any). `prepare_error`: this rank could not prepare its state (`what`); every rank
     then raises, naming the ranks that failed."""
-    fingerprint = None if prepare_error is not None else hashlib.sha1(pickle.dumps((comm.world_size, manifest))).hexdigest()
+    fingerprint = (None if prepare_error is not None
+                   else hashlib.sha1(pickle.dumps((comm.world_size, manifest))).hexdigest())
     cache_key = comm.key
     cached = cache.get(cache_key)
     hit = fingerprint is not None and cached is not None and cached.fingerprint == fingerprint

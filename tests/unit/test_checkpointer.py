@@ -81,7 +81,8 @@ def test_metadata_parsed_once_per_version(tmp_path, monkeypatch):
     ckpt.save(tmp_path / "m", {"w": torch.ones(10), "step": 3})
     parses = []
     real = md_module.Metadata.from_json
-    monkeypatch.setattr(md_module.Metadata, "from_json", staticmethod(lambda *a, **k: parses.append(1) or real(*a, **k)))
+    monkeypatch.setattr(md_module.Metadata, "from_json",
+                        staticmethod(lambda *a, **k: parses.append(1) or real(*a, **k)))
     assert ckpt.is_checkpoint(tmp_path / "m")
     assert ckpt.load_full(tmp_path / "m", keys=["step"]) == {"step": 3}
     ckpt.load(tmp_path / "m", {"w": torch.zeros(10), "step": 0})

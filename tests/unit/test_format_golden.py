@@ -204,7 +204,8 @@ def test_version_4_keeps_large_checksum_tables_in_a_checked_file_beside_the_data
     assert torch.equal(out["w"], state["w"]) and torch.equal(out["b"], state["b"]) and out["step"] == 3
     assert bcp.verify(str(tmp_path / "c")).ok and bcp.inspect(str(tmp_path / "c")).format_version == 4
 
-    chunk = next(p for p in (tmp_path / "c").rglob("*") if p.is_file() and "/w~" in str(p) and "zarr.json" not in p.name)
+    chunk = next(p for p in (tmp_path / "c").rglob("*")
+                 if p.is_file() and "/w~" in str(p) and "zarr.json" not in p.name)
     data = bytearray(chunk.read_bytes())
     data[5] ^= 0xFF
     chunk.write_bytes(bytes(data))
