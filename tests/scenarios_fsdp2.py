@@ -86,3 +86,27 @@ def save_replicated(path: str):
         print(f"logical {logical} on_disk {on_disk} per_rank {writers}")
         assert on_disk == logical, (on_disk, logical)
         assert max(writers) <= 1.1 * logical / 2 + 4000 * 4, writers
+
+
+def prepare_fails_on_one_rank(path: str):
+    """Rank 1's state cannot be flattened (two keys that print the same): every rank raises before
+    anything is written, rank 0 naming rank 1; the next save on the same ranks works."""
+    rank = dist.get_rank()
+    good = {"w": torch.arange(8.0) + rank}
+    bad = dict(good, d={1: torch.ones(2), "1": torch.zeros(2)}) if rank == 1 else good
+    try:
+        bcp.save(path, bad)
+    except bcp.CheckpointError as exc:
+        message = str(exc)
+    else:
+        raise AssertionError("the save did not fail")
+    if rank == 0:
+        assert "rank 1" in message and "appears twice" in message, message
+    else:
+        assert "appears twice" in message, message
+    assert not os.path.exists(os.path.join(path, "metadata.json"))
+    bcp.save(path, {"w": torch.arange(8.0)})  # the ranks' collectives are still in step
+    out = {"w": torch.zeros(8)}
+    bcp.load(path, out)
+    assert torch.equal(out["w"], torch.arange(8.0))
+    print(f"rank {rank}: prepare failure ok")

@@ -18,3 +18,9 @@ def test_fsdp2_with_optimizer_reshards(tmp_path):
 def test_replicated_state_written_once_and_balanced(tmp_path):
     outs = run_ranks("scenarios_fsdp2:save_replicated", 2, {"path": str(tmp_path / "rep")}, timeout=150)
     assert "on_disk" in outs[0]
+
+
+@pytest.mark.timeout(200)
+def test_a_rank_that_cannot_prepare_its_state_fails_the_save_on_every_rank(tmp_path):
+    outs = run_ranks("scenarios_fsdp2:prepare_fails_on_one_rank", 2, {"path": str(tmp_path / "ck")}, timeout=150)
+    assert all("prepare failure ok" in o for o in outs)
