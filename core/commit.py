@@ -31,9 +31,10 @@ def write_metadata(store: Storage, full: SavePlan, save_id: str, data_dir: str, 
                    info: Optional[Dict[str, Any]] = None) -> None:
     """Coordinator: commit if every rank succeeded, else raise naming the failed ranks."""
     md = build_metadata(store.url, full, save_id, data_dir, world_size, structure, results, info)
-    raw, table = md.to_files(f"{data_dir}/{CHECKSUM_TABLE_FILE}")
+    table_key = f"{data_dir}/{CHECKSUM_TABLE_FILE}"
+    raw, table = md.to_files(table_key)
     if table is not None:  # large tables beside the data, durable before the commit point names them
-        store.put(f"{data_dir}/{CHECKSUM_TABLE_FILE}", table, durable=True)
+        store.put(table_key, table, durable=True)
     if not store.put(METADATA_FILE, raw, if_absent=not overwrite, durable=True):
         store.delete_prefix(data_dir + "/")  # the losing job leaves nothing behind
         raise CheckpointExistsError(f"another job committed a checkpoint to {store.url!r} while this save was "

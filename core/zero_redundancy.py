@@ -14,6 +14,7 @@ side). Chunks only one rank needs are read by that rank.
 from __future__ import annotations
 
 import itertools
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
@@ -46,10 +47,7 @@ def whole_chunks(md: Metadata, needs: Dict[ChunkRef, Any]) -> List[ChunkRef]:
     *parts* of (a resharding boundary) is cheaper to read twice than to broadcast to everyone."""
     out = []
     for (array, index), parts in needs.items():
-        meta = md.arrays[array]
-        full = 1  # the chunk's elements inside the array (an edge chunk's padding is nobody's need)
-        for c, s, i in zip(meta.chunks, meta.shape, index):
-            full *= min(c, s - i * c)
+        full = math.prod(chunks.chunk_extent(md.arrays[array], index))
         got = 0
         for part, _ in parts:
             n = 1

@@ -44,6 +44,12 @@ def chunk_key(array_path: str, index: Sequence[int]) -> str:
     return f"{array_path}/c/" + "/".join(map(str, index)) if index else f"{array_path}/c"
 
 
+def chunk_extent(meta: ArrayMeta, index: Sequence[int]) -> Tuple[int, ...]:
+    """The shape of the chunk's part inside the array (an edge chunk is stored padded to the full
+    chunk shape; the padding is nobody's data)."""
+    return tuple(min(c, s - i * c) for c, s, i in zip(meta.chunks, meta.shape, index))
+
+
 def chunk_name(index: Sequence[int]) -> str:
     """How a chunk is named in the metadata's checksum table."""
     return ".".join(map(str, index)) if index else "c"
@@ -130,7 +136,7 @@ def encode_box(meta: ArrayMeta, array_offsets: Sequence[int], data: torch.Tensor
     bits = _bits(data.detach().cpu() if data.is_cuda else data.detach())
     encoded = []
     for index, part in chunks_in_box(meta, box):
-        chunk_shape = tuple(min(c, s - i * c) for c, s, i in zip(meta.chunks, meta.shape, index))
+        chunk_shape = chunk_extent(meta, index)
         if part[1] != chunk_shape:
             raise CheckpointError(f"internal: box {box} does not cover chunk {index} of {meta.path} whole")
         payload = bits[_slices(part, box[0])]
