@@ -151,17 +151,11 @@ class ByteCheckpointAttachment:
         self.remove()
 
     def __getstate__(self) -> Dict[str, Any]:
-        """Pickling an attached Accelerator: the copy gets its own checkpointer with the same
-        options (a Checkpointer holds locks and pools and is not copied)."""
+        """Pickling an attached Accelerator: the copy gets its own checkpointer with every setting
+        (Checkpointer.__reduce__ builds a new, idle one) and owns it."""
         state = self.__dict__.copy()
-        ckpt = state.pop("_ckpt")
-        state.update(_ckpt_recipe=(dataclasses.asdict(ckpt.options), ckpt.storage_options), _owns=True, _call=None)
+        state.update(_owns=True, _call=None)
         return state
-
-    def __setstate__(self, state: Dict[str, Any]) -> None:
-        options, storage_options = state.pop("_ckpt_recipe")
-        self.__dict__.update(state)
-        self._ckpt = bcp.Checkpointer(storage_options=storage_options, **options)
 
     def __repr__(self) -> str:
         return (f"ByteCheckpointAttachment(active={self._active}, async_save={self._async}, "

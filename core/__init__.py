@@ -20,13 +20,14 @@ from .flatten import REGISTRY, Handler
 from .inspect import CheckpointInfo, TensorInfo, VerifyReport
 from .loader import LoadStats
 from .metadata import FORMAT_VERSION
+from .options import Options
 from .retention import RetentionReport
 
 __version__ = "0.2.0"
 
 __all__ = [
     "save", "load", "load_full", "keep_last", "RetentionReport", "inspect", "verify", "is_checkpoint", "delete",
-    "wait_pending", "Checkpointer", "default_checkpointer", "LOCAL", "LocalTier", "Restored", "REGISTRY", "Handler",
+    "wait_pending", "Checkpointer", "Options", "default_checkpointer", "LOCAL", "LocalTier", "Restored", "REGISTRY", "Handler",
     "Shard", "FlatShard", "SaveHandle", "CheckpointInfo", "TensorInfo", "VerifyReport", "LoadStats",
     "last_load_stats", "FORMAT_VERSION",
     "CheckpointError", "CheckpointerClosedError", "CheckpointExistsError", "CheckpointNotFoundError",
@@ -36,6 +37,6 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    if name == "last_load_stats":  # bytes read / received by the default instance's last load
+    if name == "last_load_stats":  # the default engine's last load (bcp.load); adapters: .checkpointer
         return default_checkpointer().last_load_stats
     raise AttributeError(f"module 'bytecheckpoint' has no attribute {name!r}")

@@ -10,9 +10,10 @@ from .inspect import CheckpointInfo, VerifyReport
 from .retention import RetentionReport
 
 
-def save(path, state: Dict[str, Any], *, async_save: bool = False, process_group=None, overwrite: bool = False,
-         storage_options: Optional[Mapping[str, Any]] = None) -> SaveHandle:
-    """Save `state` to `path` from every rank of `process_group` (collective)."""
+def save(path, state: Dict[str, Any], *, async_save: Optional[bool] = None, process_group=None,
+         overwrite: bool = False, storage_options: Optional[Mapping[str, Any]] = None) -> SaveHandle:
+    """Save `state` to `path` from every rank of `process_group` (collective). async_save None:
+    the default engine's setting (BCP_ASYNC_SAVE, else synchronous)."""
     return default_checkpointer().save(path, state, overwrite=overwrite, async_save=async_save,
                                        process_group=process_group, storage_options=storage_options)
 

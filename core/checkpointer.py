@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import shutil
 import tempfile
 import threading
@@ -25,7 +26,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 from . import inspect as inspection
 from . import loader, saver, zero_redundancy
 from . import local_tier as local_tier_mod
-from .comm import Comm
+from .comm import LOCAL, Comm
 from .errors import CheckpointError, CheckpointerClosedError
 from .flatten import flatten_for_save, top_level_placeholders
 from .handles import PendingSaves, SaveHandle
@@ -59,16 +60,13 @@ class Checkpointer:
         dead_peer_s: an async save gives up on a peer whose heartbeat stopped this long ago.
     """
 
-    def __init__(self, *, storage_options: Optional[Mapping[str, Any]] = None, async_save: bool = False,
-                 process_group: Any = None, staging_slots: int = 2, io_threads: Optional[int] = None,
-                 zero_redundancy: Any = "auto", timeout_s: float = 600, dead_peer_s: float = 30,
-                 io_concurrency: int = 32, local_io: str = "posix", fsdp1_route: str = "flat",
-                 local_tier: Optional[LocalTier] = None,
-                 _options: Optional[Options] = None, _faults: Sequence[faults.Fault] = ()):
-        self.options = _options or Options(async_save=bool(async_save), staging_slots=staging_slots,
-                                           io_threads=io_threads, io_concurrency=io_concurrency,
-                                           zero_redundancy=zero_redundancy, timeout_s=timeout_s,
-                                           dead_peer_s=dead_peer_s, local_io=local_io, fsdp1_route=fsdp1_route)
+    def __init__(self, *, options: Optional[Options] = None, storage_options: Optional[Mapping[str, Any]] = None,
+                 process_group: Any = None, local_tier: Optional[LocalTier] = None,
+                 fault_rules: Sequence[faults.Fault] = (), **overrides: Any):
+        """`options` (default: Options()) with `overrides` by name, e.g. Checkpointer(async_save=True)."""
+        if options is not None and not isinstance(options, Options):
+            raise CheckpointError(f"Checkpointer: options must be a bytecheckpoint.Options, got {options!r}")
+        self.options = (options or Options()).replaced(**overrides)
         if storage_options is not None and not isinstance(storage_options, Mapping):
             raise CheckpointError(f"Checkpointer: storage_options must be a dict, got {type(storage_options).__name__}")
         self.storage_options = dict(storage_options) if storage_options else None
@@ -77,7 +75,7 @@ class Checkpointer:
             raise CheckpointError(f"Checkpointer: local_tier must be a bytecheckpoint.LocalTier, got {local_tier!r}")
         self._tier = local_tier_mod.TierState(local_tier, self.options.timeout_s) if local_tier else None
         self.last_load_stats = loader.LoadStats()
-        self._faults = faults.Rules(_faults)
+        self.fault_rules = faults.Rules(fault_rules)  # test-only storage faults (storage/faults.py)
         self._pending = PendingSaves()
         self._runner = BackgroundRunner()
         self._plans = saver.PlanCache()
@@ -94,8 +92,20 @@ class Checkpointer:
     def from_env(cls, env: Optional[Mapping[str, str]] = None, *, storage_options: Optional[Mapping[str, Any]] = None,
                  process_group: Any = None, local_tier: Optional[LocalTier] = None, **overrides: Any) -> "Checkpointer":
         """Options from BCP_* environment variables, then `overrides`; fault rules from BCP_FAULTS."""
-        return cls(storage_options=storage_options, process_group=process_group, local_tier=local_tier,
-                   _options=Options.from_env(env, **overrides), _faults=faults.rules_from_env(env))
+        return cls(options=Options.from_env(env, **overrides), storage_options=storage_options,
+                   process_group=process_group, local_tier=local_tier, fault_rules=faults.rules_from_env(env))
+
+    def __reduce__(self):
+        """Pickling (ddp_spawn, Fabric launchers, a pickled Accelerator) makes a new, idle engine
+        with every setting: options, storage options, local tier, process group (None or
+        bytecheckpoint.LOCAL; a live group belongs to one process and cannot travel)."""
+        if self.process_group is not None and self.process_group is not LOCAL:
+            raise pickle.PicklingError(
+                f"a Checkpointer with process_group={self.process_group!r} cannot be pickled: a process group "
+                f"belongs to the process that made it. Pickle one with process_group=None (the default group) or "
+                f"bytecheckpoint.LOCAL, or build the Checkpointer in the new process")
+        return (_rebuild, (self.options, self.storage_options, self.process_group, self.local_tier,
+                           tuple(self.fault_rules.rules())))
 
     # ------------------------------------------------------------------ save / load
     def save(self, path, state: Dict[str, Any], *, overwrite: bool = False, async_save: Optional[bool] = None,
@@ -216,8 +226,11 @@ class Checkpointer:
         comm = self._comm(process_group)
         store = self.storage(path, storage_options)
         md = comm.run_on_coordinator(lambda: self._read_metadata(store), "reading checkpoint metadata")
+        stats = loader.LoadStats()
         with Workers(self.options.threads) as workers:
-            return loader.load_full(comm, store, workers, md, keys=keys, allow_pickle=allow_pickle)
+            state = loader.load_full(comm, store, workers, md, keys=keys, allow_pickle=allow_pickle, stats=stats)
+        self.last_load_stats = stats
+        return state
 
     # ------------------------------------------------------------------ resuming after a failure
     def restore(self, state: Optional[Dict[str, Any]] = None, *, persistent=None, strict: bool = True,
@@ -413,7 +426,7 @@ class Checkpointer:
                     self._storages.popitem(last=False)
             else:
                 self._storages.move_to_end(key)
-        return faults.FaultyStorage(store, self._faults) if self._faults else store
+        return faults.FaultyStorage(store, self.fault_rules) if self.fault_rules else store
 
     def _staging(self) -> StagingPool:
         with self._lock:
@@ -517,6 +530,11 @@ def _same_target(a: str, b: str) -> bool:
 
 _DEFAULT: Optional[Checkpointer] = None
 _DEFAULT_LOCK = threading.Lock()
+
+
+def _rebuild(options: Options, storage_options, process_group, local_tier, fault_rules) -> Checkpointer:
+    return Checkpointer(options=options, storage_options=storage_options, process_group=process_group,
+                        local_tier=local_tier, fault_rules=fault_rules)
 
 
 def default_checkpointer() -> Checkpointer:

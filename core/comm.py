@@ -24,6 +24,9 @@ class _Local:
     def __repr__(self) -> str:
         return "bytecheckpoint.LOCAL"
 
+    def __reduce__(self) -> str:
+        return "LOCAL"  # the one instance, also after pickling (`is LOCAL` checks)
+
 
 LOCAL = _Local()
 

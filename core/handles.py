@@ -47,6 +47,12 @@ class SaveHandle:
     def done(self) -> bool:
         return self._future is None or self._future.done()
 
+    @property
+    def is_async(self) -> bool:
+        """True when the write and commit run in the background (async save): wait() before
+        relying on the checkpoint. False: it was committed before save() returned."""
+        return self._future is not None
+
     def __repr__(self) -> str:
         return f"SaveHandle({self.path!r}, done={self.done()})"
 

@@ -118,7 +118,8 @@ def full_target(md: Metadata, key: str) -> Tuple[torch.Tensor, TargetSpec]:
     return t, TargetSpec(key, meta.dtype, meta.shape, (((0,) * len(meta.shape), meta.shape),))
 
 
-def read_full_tensors(store: Storage, workers: Workers, md: Metadata, keys: Sequence[str]) -> Dict[str, torch.Tensor]:
+def read_full_tensors(store: Storage, workers: Workers, md: Metadata, keys: Sequence[str],
+                      stats: Optional[LoadStats] = None) -> Dict[str, torch.Tensor]:
     out: Dict[str, torch.Tensor] = {}
     reads: List[ReadItem] = []
     dest: List[torch.Tensor] = []
@@ -129,7 +130,7 @@ def read_full_tensors(store: Storage, workers: Workers, md: Metadata, keys: Sequ
     for r in plan_load(md.tensors, targets):
         reads.append(r)
         dest.append(target_view(out[r.key], r.target_box))
-    read_chunks(store, workers, md, chunk_needs(md, reads, dest), LoadStats(), "reading")
+    read_chunks(store, workers, md, chunk_needs(md, reads, dest), stats or LoadStats(), "reading")
     return out
 
 
@@ -259,7 +260,7 @@ def load(comm: Comm, store: Storage, workers: Workers, md: Metadata, state: Dict
 
 
 def load_full(comm: Comm, store: Storage, workers: Workers, md: Metadata, *, keys: Optional[Sequence[str]],
-              allow_pickle: bool) -> Dict[str, Any]:
+              allow_pickle: bool, stats: Optional[LoadStats] = None) -> Dict[str, Any]:
     """The saved state as nested dicts/lists with full CPU tensors and plain values (no template).
     `keys` limits it to some top-level keys. Every rank reads what it returns."""
 
@@ -278,7 +279,7 @@ def load_full(comm: Comm, store: Storage, workers: Workers, md: Metadata, *, key
             nodes = None
         wanted = structure_leaves(root) if nodes is None else {
             k: v for n in nodes.values() for k, v in structure_leaves(n).items()}
-        tensors = read_full_tensors(store, workers, md, [k for k, kind in wanted.items() if kind == "tensor"])
+        tensors = read_full_tensors(store, workers, md, [k for k, kind in wanted.items() if kind == "tensor"], stats)
         objects = read_objects(store, md, comm.rank, allow_pickle) if any(
             kind == "object" for kind in wanted.values()) else {}
         if nodes is None:

@@ -74,13 +74,13 @@ class Options:
     def threads(self) -> int:
         return self.io_threads or 4  # I/O-bound (fdatasync, reads): 4 even on 1-3 cores (docs/results.md)
 
-    @property
-    def peer_timeout_s(self) -> float:
-        """How long a silent peer is waited for: a dead one is noticed by its stopped heartbeat."""
-        return min(self.dead_peer_s, self.timeout_s)
-
-    def with_(self, **overrides: Any) -> "Options":
-        return replace(self, **{k: v for k, v in overrides.items() if v is not None})
+    def replaced(self, **overrides: Any) -> "Options":
+        """These options with some changed by name; an unknown name is an error naming the valid ones."""
+        unknown = sorted(set(overrides) - {f.name for f in fields(self)})
+        if unknown:
+            raise TypeError(f"Checkpointer: unknown option(s) {unknown}; options are "
+                            f"{[f.name for f in fields(self)]} (and storage_options, process_group, local_tier)")
+        return replace(self, **overrides) if overrides else self
 
     @classmethod
     def from_env(cls, env: Optional[Mapping[str, str]] = None, **overrides: Any) -> "Options":

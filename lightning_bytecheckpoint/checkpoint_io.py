@@ -21,7 +21,6 @@ working. A bytecheckpoint directory served over http(s) is loaded by the engine 
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import weakref
@@ -268,22 +267,13 @@ class ByteCheckpointIO(CheckpointIO):
                            f"bytecheckpoint stores to local paths, file://, s3:// and gs://.")
 
     def __getstate__(self) -> Dict[str, Any]:
-        """ddp_spawn pickles the trainer: engine objects are process-local. A shared checkpointer
-        travels as its options and is rebuilt (owned) in the new process."""
+        """ddp_spawn pickles the trainer: engine objects are process-local. A passed checkpointer
+        travels with every setting (Checkpointer.__reduce__) and is owned by the new process."""
         state = dict(self.__dict__)
-        state["_owned"] = None
+        state["_owned"] = self._checkpointer if self._checkpointer is not None else self._owned
         state["_strategy_ref"] = None
-        ckpt = state.pop("_checkpointer")
         state["_checkpointer"] = None
-        state["_checkpointer_options"] = (None if ckpt is None else
-                                          (dataclasses.asdict(ckpt.options), ckpt.storage_options))
         return state
-
-    def __setstate__(self, state: Dict[str, Any]) -> None:
-        options = state.pop("_checkpointer_options", None)
-        self.__dict__.update(state)
-        if options is not None:
-            self._owned = bcp.Checkpointer(storage_options=options[1], **options[0])
 
 
 def is_http_checkpoint(path: _PATH) -> bool:

@@ -5,7 +5,7 @@ Nothing in the production path knows about it: a Checkpointer wraps its storages
 
     with faults.inject({"op": "write", "kind": "enospc", "key": "/c/"}, checkpointer=ckpt): ...
 
-(`checkpointer` defaults to the default instance behind bcp.save/load), or for subprocesses
+(for bcp.save/load's engine, `checkpointer=default_checkpointer()`), or for subprocesses
 (every rank of a multi-process test) with the environment variable BCP_FAULTS, read when a
 Checkpointer is built from the environment (the default instance, the adapters' own):
 
@@ -90,6 +90,10 @@ class Rules:
         with self._lock:
             return bool(self._rules)
 
+    def rules(self) -> List[Fault]:
+        with self._lock:
+            return list(self._rules)
+
     def add(self, rules: Sequence[Fault]) -> None:
         with self._lock:
             self._rules.extend(rules)
@@ -128,17 +132,15 @@ def rules_env(rules: Sequence[Dict[str, Any]]) -> Dict[str, str]:
 
 
 @contextlib.contextmanager
-def inject(*rules: Fault | Dict[str, Any], checkpointer: Any = None) -> Iterator[List[Fault]]:
-    """Activate rules on `checkpointer` (default: the default instance) for the block; yields them."""
-    if checkpointer is None:
-        from ..checkpointer import default_checkpointer
-        checkpointer = default_checkpointer()
+def inject(*rules: Fault | Dict[str, Any], checkpointer: Any) -> Iterator[List[Fault]]:
+    """Activate rules on `checkpointer` (its `fault_rules`) for the block; yields them. For the
+    engine behind bcp.save, pass bytecheckpoint.checkpointer.default_checkpointer()."""
     made = [r if isinstance(r, Fault) else Fault(**r) for r in rules]
-    checkpointer._faults.add(made)
+    checkpointer.fault_rules.add(made)
     try:
         yield made
     finally:
-        checkpointer._faults.remove(made)
+        checkpointer.fault_rules.remove(made)
 
 
 class FaultyStorage(Storage):

@@ -94,7 +94,7 @@ def test_in_flight_async_save_target_is_never_deleted(tmp_path):
     for v in (1, 2):
         _save(tmp_path / f"s{v}", v)
         time.sleep(0.01)
-    with faults.inject({"op": "write", "kind": "slow", "delay_s": 0.5, "key": "metadata.json"}):
+    with faults.inject({"op": "write", "kind": "slow", "delay_s": 0.5, "key": "metadata.json"}, checkpointer=bcp.default_checkpointer()):
         h = bcp.save(str(tmp_path / "s1"), {"w": torch.full((4, 4), 9.0), "step": 9}, async_save=True,
                      overwrite=True)
         report = keep_last(str(tmp_path), 1)

@@ -176,7 +176,7 @@ def test_failed_commit_leaves_nothing_committed(seaweed, bucket):
     opts = seaweed.storage_options
     prev, url = f"s3://{bucket}/prev", f"s3://{bucket}/failed-commit"
     bcp.save(prev, {"w": torch.ones(8)}, storage_options=opts)
-    with faults.inject({"op": "write", "kind": "unavailable", "key": "metadata.json"}):
+    with faults.inject({"op": "write", "kind": "unavailable", "key": "metadata.json"}, checkpointer=bcp.default_checkpointer()):
         with pytest.raises(bcp.CheckpointError, match="unavailable"):
             bcp.save(url, {"w": torch.zeros(8)}, storage_options=opts)
     assert any(k.startswith("data-") for k in _store(url, opts).list())

@@ -223,7 +223,7 @@ def test_async_save_onto_existing_fails_before_returning(tmp_path):
 
 def test_async_failure_raised_by_wait(tmp_path):
     from bytecheckpoint.storage import faults
-    with faults.inject({"op": "write", "kind": "error", "key": "/c"}):  # every chunk write fails
+    with faults.inject({"op": "write", "kind": "error", "key": "/c"}, checkpointer=bcp.default_checkpointer()):  # every chunk write fails
         h = bcp.save(tmp_path / "w", {"t": torch.ones(2)}, async_save=True)
         with pytest.raises(bcp.CheckpointError, match="Input/output error"):
             h.wait()
@@ -232,7 +232,7 @@ def test_async_failure_raised_by_wait(tmp_path):
 
 def test_async_background_failure_surfaces_on_next_save(tmp_path):
     from bytecheckpoint.storage import faults
-    with faults.inject({"op": "write", "kind": "error", "key": "/c"}):
+    with faults.inject({"op": "write", "kind": "error", "key": "/c"}, checkpointer=bcp.default_checkpointer()):
         h = bcp.save(tmp_path / "y", {"t": torch.ones(2)}, async_save=True)
         while not h.done():
             pass

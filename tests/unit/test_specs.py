@@ -202,7 +202,7 @@ def test_fault_env(monkeypatch):
     (rule,) = faults.rules_from_env()
     assert (rule.op, rule.kind) == ("read", "denied")
     ckpt = bcp.Checkpointer.from_env()
-    assert ckpt._faults and isinstance(ckpt.storage("/tmp/x"), faults.FaultyStorage)
+    assert ckpt.fault_rules and isinstance(ckpt.storage("/tmp/x"), faults.FaultyStorage)
     monkeypatch.delenv(faults.ENV)
     assert not faults.rules_from_env()
     assert not isinstance(bcp.Checkpointer.from_env().storage("/tmp/x"), faults.FaultyStorage)
