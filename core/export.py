@@ -29,6 +29,7 @@ from typing import Any, BinaryIO, Callable, Dict, List, Mapping, Optional, Seque
 
 import torch
 
+from . import dtypes
 from .errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, StateMismatchError
 from .metadata import Metadata, TensorMeta, dtype_itemsize
 
@@ -41,12 +42,7 @@ DEFAULT_MAX_SHARD_SIZE = "5GB"
 MAX_HEADER_BYTES = 100_000_000                 # safetensors' own limit
 
 # bytecheckpoint dtype name -> safetensors dtype tag
-ST_DTYPES = {
-    "bool": "BOOL", "uint8": "U8", "int8": "I8", "int16": "I16", "uint16": "U16", "float16": "F16",
-    "bfloat16": "BF16", "int32": "I32", "uint32": "U32", "float32": "F32", "complex64": "C64",
-    "float64": "F64", "int64": "I64", "uint64": "U64", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
-    "float8_e4m3fnuz": "F8_E4M3FNUZ", "float8_e5m2fnuz": "F8_E5M2FNUZ",
-}
+ST_DTYPES = dtypes.SAFETENSORS
 FROM_ST = {v: k for k, v in ST_DTYPES.items()}
 # safetensors writes tensors ordered by dtype (this rank, descending), then by name.
 _ST_ORDER = ["BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E4M3FNUZ", "F8_E5M2FNUZ", "I16", "U16", "F16", "BF16",
@@ -91,10 +87,6 @@ def parse_dtype(text: Optional[str]) -> Optional[str]:
     if name is None:
         raise ValueError(f"dtype {text!r} is not supported for conversion; use one of bf16, fp16, fp32, fp64")
     return name
-
-
-def _torch_dtype(name: str) -> torch.dtype:
-    return getattr(torch, name)
 
 
 # ------------------------------------------------------------------ safetensors header
@@ -294,7 +286,7 @@ def _write_tensor(f: BinaryIO, store, workers, md: Metadata, meta: TensorMeta, o
                               f"is damaged (run `bytecheckpoint verify`)")
     t = read_full_tensors(store, workers, md, [meta.key])[meta.key]
     if out_dtype != meta.dtype:
-        t = t.to(_torch_dtype(out_dtype))
+        t = t.to(dtypes.to_torch(out_dtype))
     raw = t.reshape(-1).view(torch.uint8).numpy()
     f.write(memoryview(raw))
     progress(raw.nbytes)
@@ -494,7 +486,7 @@ def read_safetensors_mmap(path: str, names: Optional[Sequence[str]] = None
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if os.path.getsize(path) else None
     for name in sorted(wanted, key=lambda n: header[n]["data_offsets"][0]):
         e = header[name]
-        dt = _torch_dtype(FROM_ST[e["dtype"]])
+        dt = dtypes.to_torch(FROM_ST[e["dtype"]])
         b, end = e["data_offsets"]
         if end == b:
             out[name] = torch.empty(e["shape"], dtype=dt)
@@ -534,7 +526,7 @@ def import_safetensors(hf_dir, out, *, key: str = "model", dtype: Optional[str] 
     out = os.fspath(out)
     state = load_hf_state_dict(os.fspath(hf_dir))
     if out_dtype:
-        state = {n: t.to(_torch_dtype(out_dtype)) if t.is_floating_point() else t for n, t in state.items()}
+        state = {n: t.to(dtypes.to_torch(out_dtype)) if t.is_floating_point() else t for n, t in state.items()}
     local = out[len("file://"):] if out.startswith("file://") else None if "://" in out else out
     if local is not None and os.path.exists(local):  # remote stores: save() refuses an existing checkpoint
         if os.path.isfile(local):

@@ -14,21 +14,17 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import codec, zero_redundancy
+from . import codec, dtypes, zero_redundancy
 from .comm import Comm
 from .errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError,
                      StateMismatchError)
 from .flatten import Flat, build_from_structure, find_subtree, flatten_for_load, structure_leaves
 from .metadata import METADATA_FILE, Metadata, dtype_itemsize
 from .planner import ReadItem, TargetSpec, check_targets, plan_load
-from .saver import DATA_PREFIX, dtype_name
+from .saver import DATA_PREFIX
 from .storage import Storage, chunks
 from .workers import Workers
 
-_TORCH_DTYPES = {name: getattr(torch, name) for name in
-                 ("bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64", "float16",
-                  "bfloat16", "float32", "float64", "complex64", "complex128", "float8_e4m3fn", "float8_e5m2",
-                  "float8_e4m3fnuz", "float8_e5m2fnuz") if hasattr(torch, name)}
 
 
 class LoadStats:
@@ -64,10 +60,6 @@ def read_metadata(store: Storage) -> Metadata:
     return parse_metadata(store, raw)
 
 
-def torch_dtype(name: str) -> torch.dtype:
-    return _TORCH_DTYPES[name]
-
-
 # ------------------------------------------------------------------ reading tensors
 
 Needs = Dict[Tuple[str, Tuple[int, ...]], List[Tuple[Any, torch.Tensor]]]
@@ -92,7 +84,7 @@ def read_chunks(store: Storage, workers: Workers, md: Metadata, needs: Needs, st
     started = [(ref, chunks.ChunkRead(store, md.arrays[ref[0]], ref[1], parts)) for ref, parts in needs.items()]
 
     def finish(ref, read) -> int:  # I/O, checksum and copy release the GIL: run on the worker pool
-        return read.finish(f"{what} {ref[0]!r}", torch_dtype(md.arrays[ref[0]].dtype))
+        return read.finish(f"{what} {ref[0]!r}", dtypes.to_torch(md.arrays[ref[0]].dtype))
 
     for nbytes in workers.map(finish, started):
         stats.bytes_read += nbytes
@@ -114,7 +106,7 @@ def full_target(md: Metadata, key: str) -> Tuple[torch.Tensor, TargetSpec]:
     if meta.nbytes > stored or meta.nbytes > _physical_memory():
         raise CheckpointError(f"tensor {key!r}: metadata claims shape {list(meta.shape)} ({meta.nbytes} bytes), "
                               f"more than is stored or fits in memory; the checkpoint is damaged")
-    t = torch.empty(meta.shape, dtype=torch_dtype(meta.dtype))
+    t = torch.empty(meta.shape, dtype=dtypes.to_torch(meta.dtype))
     return t, TargetSpec(key, meta.dtype, meta.shape, (((0,) * len(meta.shape), meta.shape),))
 
 
@@ -208,7 +200,7 @@ def load(comm: Comm, store: Storage, workers: Workers, md: Metadata, state: Dict
         targets = []
         for e in flat.tensors.values():
             if e.key in md.tensors:
-                targets.append(TargetSpec(e.key, dtype_name(e.dtype), e.shape,
+                targets.append(TargetSpec(e.key, dtypes.name_of(e.dtype), e.shape,
                                           tuple((p.offsets, p.lengths) for p in e.pieces)))
         check_targets(md.tensors, targets)
         # tensors of values read whole (placeholders, Stateful objects) join the same read plan,

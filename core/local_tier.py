@@ -30,6 +30,7 @@ import torch.distributed as dist
 from . import commit, saver
 from .comm import Comm
 from .errors import CheckpointError
+from . import dtypes
 from .metadata import Metadata, dtype_itemsize
 from .storage import chunks
 from .storage.posix import PosixStorage
@@ -312,7 +313,7 @@ def _exchange(group, comm: Comm, rank: int, targets: Sequence[int], sources: Seq
     received: Dict[int, List[torch.Tensor]] = {}
     for src in sources:
         plan = plans[src]
-        bufs = [torch.empty(w.lengths, dtype=_torch_dtype(plan.arrays[w.array].dtype)) for w in plan.writes]
+        bufs = [torch.empty(w.lengths, dtype=dtypes.to_torch(plan.arrays[w.array].dtype)) for w in plan.writes]
         received[src] = bufs
         for b in bufs:
             if b.numel():
@@ -325,11 +326,6 @@ def _exchange(group, comm: Comm, rank: int, targets: Sequence[int], sources: Seq
 def _bytes_of(t: torch.Tensor) -> torch.Tensor:
     flat = t.reshape(-1) if t.is_contiguous() else t.contiguous().reshape(-1)
     return flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
-
-
-def _torch_dtype(name: str) -> torch.dtype:
-    from .loader import torch_dtype
-    return torch_dtype(name)
 
 
 def prune(root: str, keep: int, current: Optional[str] = None) -> List[str]:

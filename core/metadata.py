@@ -12,14 +12,17 @@ import math
 import re
 import struct
 import zlib
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 import numpy as np
 
 from . import checksums as crc
+from . import dtypes
 from .errors import FormatVersionError, MetadataError
+from .metadata_grid import grid_to_json, parse_grid_tensor, parse_tables
+from .metadata_types import (MAX_ELEMENTS, ArrayMeta, ObjectFileMeta, RegionMeta, TensorMeta, check_int, check_ints,
+                             expect, fail, safe_relative_path)
 
 FORMAT_NAME = "bytecheckpoint"
 FORMAT_VERSION = 4  # 4: the packed checksum tables in a binary file beside the data when they are
@@ -32,75 +35,9 @@ INLINE_TABLES_VERSION = 3
 TABLE_FILE_MIN_BYTES = 1 << 20
 METADATA_FILE = "metadata.json"
 CHECKSUM_TABLE_FILE = "checksums.bin"  # version 4, inside the save's data directory
-MAX_NDIM = 32
-MAX_ELEMENTS = 1 << 50  # far above any real tensor; rejects absurd shapes before allocation
 
-# torch dtype name <-> zarr v3 / tensorstore data_type name.
-DTYPES = {
-    "bool": "bool", "uint8": "uint8", "int8": "int8", "int16": "int16", "int32": "int32",
-    "int64": "int64", "uint16": "uint16", "uint32": "uint32", "uint64": "uint64",
-    "float16": "float16", "bfloat16": "bfloat16", "float32": "float32", "float64": "float64",
-    "complex64": "complex64", "complex128": "complex128",
-    "float8_e4m3fn": "float8_e4m3fn", "float8_e5m2": "float8_e5m2",
-    "float8_e4m3fnuz": "float8_e4m3fnuz", "float8_e5m2fnuz": "float8_e5m2fnuz",
-}
-
-_SAFE_PATH = re.compile(r"^[A-Za-z0-9_.~%+=-]+(/[A-Za-z0-9_.~%+=-]+)*$")
-
-
-@dataclass(frozen=True)
-class RegionMeta:
-    """One saved box of a logical tensor and where its bytes are."""
-    offsets: Tuple[int, ...]
-    lengths: Tuple[int, ...]
-    array: str                      # zarr array path, relative to the checkpoint root
-    array_offsets: Tuple[int, ...]  # where the box starts inside that array
-    writer: int                     # rank that wrote it
-
-
-@dataclass(frozen=True)
-class ArrayMeta:
-    path: str
-    shape: Tuple[int, ...]
-    chunks: Tuple[int, ...]
-    dtype: str
-    # chunk name ("i.j") -> zlib crc32 of the chunk (block_bytes == 0, format 1), or a tuple with
-    # the crc32 of every block_bytes-long block of the chunk (the last one may be shorter)
-    checksums: Mapping[str, Any] = field(default_factory=dict)
-    block_bytes: int = 0
-
-
-@dataclass(frozen=True)
-class TensorMeta:
-    key: str
-    dtype: str
-    shape: Tuple[int, ...]
-    layout: str                 # how it was held at save time: replicated | sharded | flat
-    holders: int                # how many ranks held part of it
-    regions: Sequence           # of RegionMeta; a GridRegions (generated) when `grid` is set
-    grid: Optional["_grid.GridMeta"] = None
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * dtype_itemsize(self.dtype)
-
-    def rooted(self, prefix: str) -> "TensorMeta":
-        """The same tensor with its array paths under `prefix/` (the save's data directory)."""
-        if self.grid is not None:
-            return _grid.grid_tensor(self.key, self.dtype, self.shape, self.layout, self.holders,
-                                     replace(self.grid, array=f"{prefix}/{self.grid.array}"))
-        return replace(self, regions=tuple(RegionMeta(r.offsets, r.lengths, f"{prefix}/{r.array}", r.array_offsets,
-                                                      r.writer) for r in self.regions))
-
-
-@dataclass(frozen=True)
-class ObjectFileMeta:
-    """Per-rank non-tensor values (safe JSON encoding), with a checksum."""
-    rank: int
-    path: str
-    nbytes: int
-    crc32: int
-
+# torch dtype name <-> zarr v3 / tensorstore data_type name (dtypes.py).
+DTYPES = dtypes.ZARR
 
 @dataclass(frozen=True)
 class Metadata:
@@ -178,11 +115,7 @@ class Metadata:
         return _parse(body, where, fetch)
 
 
-def dtype_itemsize(dtype: str) -> int:
-    sizes = {"bool": 1, "uint8": 1, "int8": 1, "int16": 2, "uint16": 2, "float16": 2,
-             "bfloat16": 2, "int32": 4, "uint32": 4, "float32": 4, "int64": 8, "uint64": 8,
-             "float64": 8, "complex64": 8, "complex128": 16}
-    return sizes.get(dtype, 1)  # float8 variants are 1 byte
+dtype_itemsize = dtypes.itemsize
 
 
 def _tensor_to_json(t: TensorMeta, tables: Optional[Dict[Any, int]]) -> Dict[str, Any]:
@@ -192,7 +125,7 @@ def _tensor_to_json(t: TensorMeta, tables: Optional[Dict[Any, int]]) -> Dict[str
     written as [offsets, lengths, writer]; others as [offsets, lengths, writer, array, array_offsets]."""
     head = {"dtype": t.dtype, "shape": list(t.shape), "layout": t.layout, "holders": t.holders}
     if t.grid is not None and tables is not None:
-        return {**head, "array": t.grid.array, "grid": _grid.grid_to_json(t.grid, tables)}
+        return {**head, "array": t.grid.array, "grid": grid_to_json(t.grid, tables)}
     arrays = {r.array for r in t.regions}
     default = next(iter(arrays)) if len(arrays) == 1 else None
     regions = []
@@ -224,20 +157,20 @@ def _parse_packed(a: Dict[str, Any], shape: Tuple[int, ...], chunks: Tuple[int, 
                   w: str, table_file: Optional[np.ndarray]) -> Tuple[Mapping[str, Any], int]:
     """Version 3+: exactly one packed value per chunk (per block with block_bytes > 0), base64 in
     `crc32`, or (version 4) at value offset `crc32_at` of the checksum table file."""
-    _expect("checksums" not in a, w, "version 3+ stores a packed crc32 table, not checksums")
-    block = _int(a.get("block_bytes"), w, 0, 1 << 40)
+    expect("checksums" not in a, w, "version 3+ stores a packed crc32 table, not checksums")
+    block = check_int(a.get("block_bytes"), w, 0, 1 << 40)
     per_chunk = blocks_per_chunk(chunks, dtype, block) if block else 1
     n = n_chunks * per_chunk
     if table_file is not None:
-        _expect("crc32" not in a, w, "both crc32 and crc32_at")
-        at = _int(a.get("crc32_at"), w, 0, len(table_file))
-        _expect(at + n <= len(table_file), w, f"crc32_at {at} + {n} checksums runs past the checksum table")
+        expect("crc32" not in a, w, "both crc32 and crc32_at")
+        at = check_int(a.get("crc32_at"), w, 0, len(table_file))
+        expect(at + n <= len(table_file), w, f"crc32_at {at} + {n} checksums runs past the checksum table")
         table = table_file[at:at + n]
     else:
         try:
             table = crc.decode(a.get("crc32"), n)
         except ValueError:
-            raise _fail(w, f"crc32 is not a packed table of {n_chunks} x {per_chunk} checksums") from None
+            raise fail(w, f"crc32 is not a packed table of {n_chunks} x {per_chunk} checksums") from None
     return crc.PackedChecksums(crc.grid_counts(shape, chunks), table, per_chunk if block else 0), block
 
 
@@ -248,11 +181,11 @@ def _read_table_file(body: Dict[str, Any], where: str,
     if entry is None:
         return None
     w = f"{where}.checksum_table"
-    _expect(isinstance(entry, dict), w, "entry is not an object")
+    expect(isinstance(entry, dict), w, "entry is not an object")
     path = safe_relative_path(entry.get("path"), w)
-    nbytes = _int(entry.get("nbytes"), w, 0, 1 << 40)
-    expected = _int(entry.get("crc32"), w, 0, (1 << 32) - 1)
-    _expect(nbytes % 4 == 0, w, "nbytes is not a multiple of 4")
+    nbytes = check_int(entry.get("nbytes"), w, 0, 1 << 40)
+    expected = check_int(entry.get("crc32"), w, 0, (1 << 32) - 1)
+    expect(nbytes % 4 == 0, w, "nbytes is not a multiple of 4")
     raw = fetch(path) if fetch is not None else None
     if raw is None:
         raise MetadataError(f"{where}: its checksum table {path!r} is missing; the checkpoint is incomplete or "
@@ -279,61 +212,29 @@ def blocks_per_chunk(chunks: Tuple[int, ...], dtype: str, block_bytes: int) -> i
 def _parse_sums(a: Dict[str, Any], chunks: Tuple[int, ...], dtype: str, version: int, w: str
                 ) -> Tuple[Dict[str, Any], int]:
     sums = a.get("checksums", {})
-    _expect(isinstance(sums, dict) and all(isinstance(k, str) and len(k) < 256 for k in sums), w,
+    expect(isinstance(sums, dict) and all(isinstance(k, str) and len(k) < 256 for k in sums), w,
             "checksums malformed")
     block = a.get("block_bytes", 0)
     if version < 2 or block == 0:
-        return {k: _int(v, w, 0, (1 << 32) - 1) for k, v in sums.items()}, 0
-    block = _int(block, w, 1, 1 << 40)
+        return {k: check_int(v, w, 0, (1 << 32) - 1) for k, v in sums.items()}, 0
+    block = check_int(block, w, 1, 1 << 40)
     n = blocks_per_chunk(chunks, dtype, block)
     out = {}
     for k, v in sums.items():
-        _expect(isinstance(v, str) and len(v) == 4 * -(-4 * n // 3), w, f"chunk {k!r:.40}: expected {n} block checksums")
+        expect(isinstance(v, str) and len(v) == 4 * -(-4 * n // 3), w, f"chunk {k!r:.40}: expected {n} block checksums")
         try:
             raw = base64.b64decode(v.encode("ascii"), validate=True)
         except ValueError:
             raw = b""
-        _expect(len(raw) == 4 * n, w, f"chunk {k!r:.40}: block checksums are not base64 of {n} uint32")
+        expect(len(raw) == 4 * n, w, f"chunk {k!r:.40}: block checksums are not base64 of {n} uint32")
         out[k] = struct.unpack(f"<{n}I", raw)
     return out, block
 
 
-# ---------------------------------------------------------------- validation
-
-def _fail(where: str, msg: str) -> MetadataError:
-    return MetadataError(f"{where}: {msg}; the metadata file is damaged or not from bytecheckpoint")
-
-
-def _expect(cond: bool, where: str, msg: str) -> None:
-    if not cond:
-        raise _fail(where, msg)
-
-
-def _int(v: Any, where: str, lo: int = 0, hi: int = MAX_ELEMENTS) -> int:
-    _expect(isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi, where,
-            f"expected an integer in [{lo}, {hi}], got {v!r:.80}")
-    return v
-
-
-def _ints(v: Any, where: str, ndim: Optional[int] = None) -> Tuple[int, ...]:
-    _expect(isinstance(v, list) and len(v) <= MAX_NDIM, where, f"expected a list of integers, got {v!r:.80}")
-    if ndim is not None:
-        _expect(len(v) == ndim, where, f"expected {ndim} dimensions, got {len(v)}")
-    return tuple(_int(x, where) for x in v)
-
-
-def safe_relative_path(p: Any, where: str) -> str:
-    """Refuse absolute paths, '..', and odd characters in stored paths."""
-    _expect(isinstance(p, str) and 0 < len(p) < 1024 and _SAFE_PATH.match(p) is not None, where,
-            f"unsafe path {p!r:.80}")
-    _expect(all(part not in (".", "..") for part in p.split("/")), where, f"unsafe path {p!r:.80}")
-    return p
-
-
 def _parse(body: Any, where: str, fetch: Optional[Callable[[str], Optional[bytes]]] = None) -> Metadata:
-    _expect(isinstance(body, dict), where, "top level is not an object")
-    _expect(body.get("format") == FORMAT_NAME, where, f"format is {body.get('format')!r:.40}, not {FORMAT_NAME!r}")
-    version = _int(body.get("version"), f"{where}.version", 0, 1 << 30)
+    expect(isinstance(body, dict), where, "top level is not an object")
+    expect(body.get("format") == FORMAT_NAME, where, f"format is {body.get('format')!r:.40}, not {FORMAT_NAME!r}")
+    version = check_int(body.get("version"), f"{where}.version", 0, 1 << 30)
     if version > FORMAT_VERSION:
         raise FormatVersionError(
             f"{where}: checkpoint format version {version} is newer than this bytecheckpoint "
@@ -341,78 +242,78 @@ def _parse(body: Any, where: str, fetch: Optional[Callable[[str], Optional[bytes
     checksum = body.pop("checksum", None)
     if checksum is not None:
         canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
-        _expect(zlib.crc32(canonical.encode()) == checksum, where, "metadata checksum mismatch")
+        expect(zlib.crc32(canonical.encode()) == checksum, where, "metadata checksum mismatch")
     save_id = body.get("save_id")
-    _expect(isinstance(save_id, str) and re.fullmatch(r"[A-Za-z0-9_-]{1,64}", save_id or "") is not None,
+    expect(isinstance(save_id, str) and re.fullmatch(r"[A-Za-z0-9_-]{1,64}", save_id or "") is not None,
             where, "bad save_id")
-    world = _int(body.get("world_size"), f"{where}.world_size", 1, 1 << 24)
+    world = check_int(body.get("world_size"), f"{where}.world_size", 1, 1 << 24)
 
     table_file = _read_table_file(body, where, fetch) if version >= 4 else None
     arrays_raw = body.get("arrays")
-    _expect(isinstance(arrays_raw, dict), where, "arrays is not an object")
+    expect(isinstance(arrays_raw, dict), where, "arrays is not an object")
     arrays: Dict[str, ArrayMeta] = {}
     for path, a in arrays_raw.items():
         w = f"{where}.arrays[{path!r:.60}]"
         safe_relative_path(path, w)
-        _expect(isinstance(a, dict) and a.get("path") == path, w, "array entry malformed")
-        _expect(isinstance(a.get("dtype"), str) and a["dtype"] in DTYPES, w, f"unknown dtype {a.get('dtype')!r:.40}")
-        shape = _ints(a.get("shape"), w)
-        chunks = _ints(a.get("chunks"), w, len(shape))
-        _expect(math.prod(shape) <= MAX_ELEMENTS and all(c >= 1 for c in chunks), w, "absurd shape or chunks")
+        expect(isinstance(a, dict) and a.get("path") == path, w, "array entry malformed")
+        expect(isinstance(a.get("dtype"), str) and a["dtype"] in DTYPES, w, f"unknown dtype {a.get('dtype')!r:.40}")
+        shape = check_ints(a.get("shape"), w)
+        chunks = check_ints(a.get("chunks"), w, len(shape))
+        expect(math.prod(shape) <= MAX_ELEMENTS and all(c >= 1 for c in chunks), w, "absurd shape or chunks")
         # every chunk has a checksum: bounds the chunk count by the metadata's own size
         n_chunks = math.prod(-(-s // c) for s, c in zip(shape, chunks)) if shape else 1
         if version >= 3:
             sums, block = _parse_packed(a, shape, chunks, a["dtype"], n_chunks, w, table_file)
         else:
             sums, block = _parse_sums(a, chunks, a["dtype"], version, w)
-            _expect(n_chunks == len(sums), w, f"{n_chunks} chunks but {len(sums)} checksums")
+            expect(n_chunks == len(sums), w, f"{n_chunks} chunks but {len(sums)} checksums")
         arrays[path] = ArrayMeta(path, shape, chunks, a["dtype"], sums, block)
 
-    tables = _grid.parse_tables(body.get("meshes", []) if version >= 3 else [], world, where)
+    tables = parse_tables(body.get("meshes", []) if version >= 3 else [], world, where)
     tensors_raw = body.get("tensors")
-    _expect(isinstance(tensors_raw, dict), where, "tensors is not an object")
+    expect(isinstance(tensors_raw, dict), where, "tensors is not an object")
     tensors: Dict[str, TensorMeta] = {}
     for key, t in tensors_raw.items():
         w = f"{where}.tensors[{key!r:.60}]"
-        _expect(isinstance(t, dict), w, "entry is not an object")
-        _expect(isinstance(t.get("dtype"), str) and t["dtype"] in DTYPES, w, f"unknown dtype {t.get('dtype')!r:.40}")
-        shape = _ints(t.get("shape"), w)
-        _expect(math.prod(shape) <= MAX_ELEMENTS, w, "absurd shape")
-        _expect(t.get("layout") in ("replicated", "sharded", "flat"), w, "bad layout")
-        holders = _int(t.get("holders"), w, 0, world)
+        expect(isinstance(t, dict), w, "entry is not an object")
+        expect(isinstance(t.get("dtype"), str) and t["dtype"] in DTYPES, w, f"unknown dtype {t.get('dtype')!r:.40}")
+        shape = check_ints(t.get("shape"), w)
+        expect(math.prod(shape) <= MAX_ELEMENTS, w, "absurd shape")
+        expect(t.get("layout") in ("replicated", "sharded", "flat"), w, "bad layout")
+        holders = check_int(t.get("holders"), w, 0, world)
         if version >= 3 and "grid" in t:
-            _expect("regions" not in t, w, "both grid and regions")
-            tensors[key] = _grid.parse_grid_tensor(key, t, shape, holders, arrays, tables, world, w)
+            expect("regions" not in t, w, "both grid and regions")
+            tensors[key] = parse_grid_tensor(key, t, shape, holders, arrays, tables, world, w)
             continue
         regions_raw = t.get("regions")
-        _expect(isinstance(regions_raw, list), w, "regions is not a list")
+        expect(isinstance(regions_raw, list), w, "regions is not a list")
         regions = []
         default = t.get("array")
         for r in regions_raw:
-            _expect(isinstance(r, list) and len(r) in (3, 5), w, "region malformed")
-            offs, lens = _ints(r[0], w, len(shape)), _ints(r[1], w, len(shape))
-            _expect(all(o + l <= s for o, l, s in zip(offs, lens, shape)), w, "region outside the tensor")
+            expect(isinstance(r, list) and len(r) in (3, 5), w, "region malformed")
+            offs, lens = check_ints(r[0], w, len(shape)), check_ints(r[1], w, len(shape))
+            expect(all(o + l <= s for o, l, s in zip(offs, lens, shape)), w, "region outside the tensor")
             name = r[3] if len(r) == 5 else default
             arr = arrays.get(name) if isinstance(name, str) else None
-            _expect(arr is not None, w, f"region names unknown array {name!r:.60}")
-            aoffs = _ints(r[4], w, len(arr.shape)) if len(r) == 5 else offs
-            _expect(len(arr.shape) == len(shape) and arr.dtype == t["dtype"] and
+            expect(arr is not None, w, f"region names unknown array {name!r:.60}")
+            aoffs = check_ints(r[4], w, len(arr.shape)) if len(r) == 5 else offs
+            expect(len(arr.shape) == len(shape) and arr.dtype == t["dtype"] and
                     all(o + l <= s for o, l, s in zip(aoffs, lens, arr.shape)), w, "region outside its array")
-            regions.append(RegionMeta(offs, lens, name, aoffs, _int(r[2], w, 0, world - 1)))
+            regions.append(RegionMeta(offs, lens, name, aoffs, check_int(r[2], w, 0, world - 1)))
         tensors[key] = TensorMeta(key, t["dtype"], shape, t["layout"], holders, tuple(regions))
 
     objects_raw = body.get("objects")
-    _expect(isinstance(objects_raw, list), where, "objects is not a list")
+    expect(isinstance(objects_raw, list), where, "objects is not a list")
     objects = []
     for o in objects_raw:
         w = f"{where}.objects"
-        _expect(isinstance(o, dict), w, "entry is not an object")
-        objects.append(ObjectFileMeta(_int(o.get("rank"), w, 0, world - 1), safe_relative_path(o.get("path"), w),
-                                      _int(o.get("nbytes"), w, 0, 1 << 40), _int(o.get("crc32"), w, 0, (1 << 32) - 1)))
+        expect(isinstance(o, dict), w, "entry is not an object")
+        objects.append(ObjectFileMeta(check_int(o.get("rank"), w, 0, world - 1), safe_relative_path(o.get("path"), w),
+                                      check_int(o.get("nbytes"), w, 0, 1 << 40), check_int(o.get("crc32"), w, 0, (1 << 32) - 1)))
     info = body.get("info", {})
-    _expect(isinstance(info, dict), where, "info is not an object")
+    expect(isinstance(info, dict), where, "info is not an object")
     if "data_dir" in info:
-        _expect(isinstance(info["data_dir"], str) and re.fullmatch(r"(data|part)-[A-Za-z0-9_-]{1,64}", info["data_dir"])
+        expect(isinstance(info["data_dir"], str) and re.fullmatch(r"(data|part)-[A-Za-z0-9_-]{1,64}", info["data_dir"])
                 is not None, where, "bad data_dir")
     _check_structure(body.get("structure"), tensors, where)
     return Metadata(version, save_id, world, tensors, arrays, tuple(objects), body.get("structure"), info)
@@ -421,23 +322,19 @@ def _parse(body: Any, where: str, fetch: Optional[Callable[[str], Optional[bytes
 def _check_structure(node: Any, tensors: Mapping[str, TensorMeta], where: str, depth: int = 0) -> None:
     """The nesting tree: {"dict": [[key, node]...]}, {"list"|"tuple": [...]}, {"tensor": key},
     {"object": key}; tensor leaves must name saved tensors."""
-    _expect(depth < 256 and isinstance(node, dict) and len(node) == 1, where, "structure malformed")
+    expect(depth < 256 and isinstance(node, dict) and len(node) == 1, where, "structure malformed")
     kind, body = next(iter(node.items()))
     if kind == "dict":
-        _expect(isinstance(body, list) and all(isinstance(kv, list) and len(kv) == 2 for kv in body), where,
+        expect(isinstance(body, list) and all(isinstance(kv, list) and len(kv) == 2 for kv in body), where,
                 "structure malformed")
         for _, child in body:
             _check_structure(child, tensors, where, depth + 1)
     elif kind in ("list", "tuple"):
-        _expect(isinstance(body, list), where, "structure malformed")
+        expect(isinstance(body, list), where, "structure malformed")
         for child in body:
             _check_structure(child, tensors, where, depth + 1)
     elif kind == "tensor":
-        _expect(isinstance(body, str) and body in tensors, where, f"structure names unknown tensor {body!r:.60}")
+        expect(isinstance(body, str) and body in tensors, where, f"structure names unknown tensor {body!r:.60}")
     else:
-        _expect(kind == "object" and isinstance(body, str), where, "structure malformed")
+        expect(kind == "object" and isinstance(body, str), where, "structure malformed")
 
-
-# Grid tensors (regular layouts) live in metadata_grid.py; imported as a module, last, because it
-# builds on the dataclasses and validators above.
-from . import metadata_grid as _grid  # noqa: E402

@@ -26,8 +26,7 @@ import numpy as np
 
 from .errors import ShardLayoutError, StateMismatchError
 from .manifests import Holding, PackedManifest, RankManifest, TensorManifest, collect, pack_manifest  # noqa: F401
-from .metadata import ArrayMeta, RegionMeta, TensorMeta, dtype_itemsize
-from .metadata_grid import GridMeta, grid_tensor
+from .metadata_types import ArrayMeta, GridMeta, RegionMeta, TensorMeta, dtype_itemsize, grid_tensor
 from .plan_grid import GridPlan, TableCache, assign_batch, try_grid
 from .regions import Box, chunk_count, chunk_grid, find_layout_problem, intersect, refine_chunks, volume
 

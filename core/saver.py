@@ -15,11 +15,11 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from . import commit
+from . import commit, dtypes
 from .comm import Comm
 from .errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, IncompleteCheckpointError
 from .flatten import Flat, TensorEntry
-from .metadata import DTYPES, METADATA_FILE, Metadata, ObjectFileMeta
+from .metadata import METADATA_FILE, Metadata, ObjectFileMeta
 from .planner import (LocalPlan, RankManifest, SavePlan, TensorManifest, WriteItem, local_plan, pack_manifest,
                       plan_save, split_for_ranks)
 from .regions import relative
@@ -30,11 +30,6 @@ from .workers import Workers
 DATA_PREFIX = "data-"
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    name = str(dtype).removeprefix("torch.")
-    if name not in DTYPES:
-        raise CheckpointError(f"dtype {dtype} is not supported; supported: {sorted(DTYPES)}")
-    return name
 
 
 # ------------------------------------------------------------------ planning (collective)
@@ -64,7 +59,7 @@ class PlanCache:
 
 def manifest_of(flat: Flat) -> RankManifest:
     return tuple(
-        TensorManifest(e.key, dtype_name(e.dtype), e.shape, e.layout,
+        TensorManifest(e.key, dtypes.name_of(e.dtype), e.shape, e.layout,
                        tuple((p.offsets, p.lengths) for p in e.pieces), getattr(e, "grid", None))
         for e in sorted(flat.tensors.values(), key=lambda e: e.key))
 

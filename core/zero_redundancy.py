@@ -21,6 +21,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from . import dtypes
 from .comm import Comm
 from .metadata import Metadata, dtype_itemsize
 from .planner import assign_readers
@@ -108,14 +109,13 @@ def exchange(comm: Comm, store, workers, md: Metadata, plan: SharedPlan, needs: 
     not need it itself, and broadcast to every rank, chunk by chunk, up to `window` broadcasts in flight. The reader's reads all start at
     once and run on the worker pool while broadcasts go out. A rank whose read fails still takes
     part in every broadcast (sending filler), then every rank raises the error (comm.agree)."""
-    from .loader import torch_dtype
     order = schedule(plan)
     if not order:
         return
     device = comm.tensor_device()
     mine = [q for r, q in order if r == comm.rank]
     reads = [chunks.ChunkRead(store, md.arrays[q[0]], q[1], needs.get(q, []), keep=True) for q in mine]
-    finished = workers.map(lambda q, rd: rd.finish(f"loading {q[0]!r}", torch_dtype(md.arrays[q[0]].dtype)),
+    finished = workers.map(lambda q, rd: rd.finish(f"loading {q[0]!r}", dtypes.to_torch(md.arrays[q[0]].dtype)),
                            list(zip(mine, reads)))
     error: Optional[BaseException] = None
     inflight: List[Tuple[Any, Any, ChunkRef, Optional[_Incoming], torch.Tensor, torch.Tensor]] = []
@@ -128,7 +128,7 @@ def exchange(comm: Comm, store, workers, md: Metadata, plan: SharedPlan, needs: 
             if wire is not buf:
                 buf.copy_(wire)
             if error is None:
-                incoming.land(q[1], torch_dtype(md.arrays[q[0]].dtype))
+                incoming.land(q[1], dtypes.to_torch(md.arrays[q[0]].dtype))
             stats.bytes_received += plan.sizes[q]
 
     own = iter(reads)

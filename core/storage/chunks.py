@@ -26,6 +26,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from .. import dtypes
 from ..errors import CheckpointError, CorruptCheckpointError
 from ..metadata import ArrayMeta, dtype_itemsize
 
@@ -71,10 +72,7 @@ def _slices(box: Box, origin: Sequence[int]) -> Tuple[slice, ...]:
     return tuple(slice(o - b, o - b + n) for o, n, b in zip(box[0], box[1], origin))
 
 
-_NO_NUMPY = {torch.bfloat16: torch.int16}
-for _name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"):
-    if hasattr(torch, _name):
-        _NO_NUMPY[getattr(torch, _name)] = torch.uint8
+_NO_NUMPY = dtypes.NUMPY_STAND_IN
 
 
 def _bits(t: torch.Tensor) -> np.ndarray:
