@@ -16,7 +16,8 @@ from .handles import SaveHandle
 from .checkpointer import Checkpointer, default_checkpointer
 from .local_tier import LocalTier, Restored
 from .api import delete, inspect, is_checkpoint, keep_last, load, load_full, save, verify, wait_pending
-from .flatten import REGISTRY, Handler
+from .flatten import Handler
+from .registry import REGISTRY
 from .inspect import CheckpointInfo, TensorInfo, VerifyReport
 from .loader import LoadStats
 from .metadata import FORMAT_VERSION

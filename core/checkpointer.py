@@ -28,11 +28,12 @@ from . import loader, saver, zero_redundancy
 from . import local_tier as local_tier_mod
 from .comm import LOCAL, Comm
 from .errors import CheckpointError, CheckpointerClosedError
-from .flatten import flatten_for_save, top_level_placeholders
+from .flatten import TypeRegistry, flatten_for_save, top_level_placeholders
 from .handles import PendingSaves, SaveHandle
 from .local_tier import LocalTier, Restored
 from .metadata import METADATA_FILE, Metadata
 from .options import Options
+from .registry import REGISTRY
 from .staging import StagingPool
 from .storage import Storage, StorageEnv, faults, open_storage
 from .storage.specs import context_spec, static_credentials_files
@@ -58,12 +59,18 @@ class Checkpointer:
         zero_redundancy: "auto" | True | False: read bytes several ranks need once and share them.
         timeout_s: longest wait for peers (arrival at a save/load, an async commit).
         dead_peer_s: an async save gives up on a peer whose heartbeat stopped this long ago.
+        (These and the other bcp.Options fields may also come as one `options=bcp.Options(...)`.)
+        local_tier: a bcp.LocalTier for frequent node-local checkpoints.
+        registry: the value types it can save (default bcp.REGISTRY; registry.builtin_registry()
+            makes a private one to extend).
     """
 
     def __init__(self, *, options: Optional[Options] = None, storage_options: Optional[Mapping[str, Any]] = None,
                  process_group: Any = None, local_tier: Optional[LocalTier] = None,
-                 fault_rules: Sequence[faults.Fault] = (), **overrides: Any):
-        """`options` (default: Options()) with `overrides` by name, e.g. Checkpointer(async_save=True)."""
+                 registry: Optional[TypeRegistry] = None, fault_rules: Sequence[faults.Fault] = (),
+                 **overrides: Any):
+        """`options` (default: Options()) with `overrides` by name, e.g. Checkpointer(async_save=True);
+        `registry`: the value types it knows (default: bcp.REGISTRY, the built-ins)."""
         if options is not None and not isinstance(options, Options):
             raise CheckpointError(f"Checkpointer: options must be a bytecheckpoint.Options, got {options!r}")
         self.options = (options or Options()).replaced(**overrides)
@@ -71,6 +78,7 @@ class Checkpointer:
             raise CheckpointError(f"Checkpointer: storage_options must be a dict, got {type(storage_options).__name__}")
         self.storage_options = dict(storage_options) if storage_options else None
         self.process_group = process_group
+        self.registry = REGISTRY if registry is None else registry
         if local_tier is not None and not isinstance(local_tier, LocalTier):
             raise CheckpointError(f"Checkpointer: local_tier must be a bytecheckpoint.LocalTier, got {local_tier!r}")
         self._tier = local_tier_mod.TierState(local_tier, self.options.timeout_s) if local_tier else None
@@ -104,8 +112,9 @@ class Checkpointer:
                 f"a Checkpointer with process_group={self.process_group!r} cannot be pickled: a process group "
                 f"belongs to the process that made it. Pickle one with process_group=None (the default group) or "
                 f"bytecheckpoint.LOCAL, or build the Checkpointer in the new process")
+        registry = None if self.registry is REGISTRY else self.registry  # the built-ins: the new process's own
         return (_rebuild, (self.options, self.storage_options, self.process_group, self.local_tier,
-                           tuple(self.fault_rules.rules())))
+                           tuple(self.fault_rules.rules()), registry))
 
     # ------------------------------------------------------------------ save / load
     def save(self, path, state: Dict[str, Any], *, overwrite: bool = False, async_save: Optional[bool] = None,
@@ -139,7 +148,7 @@ class Checkpointer:
         else:
             raise CheckpointError(f"save: tier must be 'persistent' or 'local', got {tier!r}")
         try:
-            flat, manifest, blob = _prepare(state, self.options.fsdp1_route)
+            flat, manifest, blob = _prepare(state, self.registry, self.options.fsdp1_route)
             prepare_error = None
         except Exception as exc:  # noqa: BLE001 - every rank raises it, from saver.plan
             flat = manifest = blob = None
@@ -215,7 +224,7 @@ class Checkpointer:
         shared = zero_redundancy.plan_shared if self._share(comm, store) else zero_redundancy.no_sharing
         with Workers(self.options.threads) as workers:
             loader.load(comm, store, workers, md, state, strict=strict, allow_pickle=allow_pickle, shared=shared,
-                        stats=stats, fsdp1_route=self.options.fsdp1_route)
+                        stats=stats, registry=self.registry, fsdp1_route=self.options.fsdp1_route)
         self.last_load_stats = stats
         return state
 
@@ -302,7 +311,7 @@ class Checkpointer:
         with Workers(self.options.threads) as workers:
             loader.load(comm, store, workers, md, state, strict=strict, allow_pickle=allow_pickle,
                         shared=local_tier_mod.holder_planner(held), stats=stats,
-                        fsdp1_route=self.options.fsdp1_route)
+                        registry=self.registry, fsdp1_route=self.options.fsdp1_route)
         self.last_load_stats = stats
         return Restored("local", name, save_id, state=state)
 
@@ -504,8 +513,8 @@ def _not_older(local_key, persistent_key) -> bool:
     return local_key >= persistent_key
 
 
-def _prepare(state: Dict[str, Any], fsdp1_route: str):
-    flat = flatten_for_save(state, fsdp1_route)
+def _prepare(state: Dict[str, Any], registry: TypeRegistry, fsdp1_route: str):
+    flat = flatten_for_save(state, registry, fsdp1_route)
     manifest, blob = saver.manifest_and_blob(flat)
     return flat, manifest, blob
 
@@ -532,9 +541,9 @@ _DEFAULT: Optional[Checkpointer] = None
 _DEFAULT_LOCK = threading.Lock()
 
 
-def _rebuild(options: Options, storage_options, process_group, local_tier, fault_rules) -> Checkpointer:
+def _rebuild(options: Options, storage_options, process_group, local_tier, fault_rules, registry) -> Checkpointer:
     return Checkpointer(options=options, storage_options=storage_options, process_group=process_group,
-                        local_tier=local_tier, fault_rules=fault_rules)
+                        local_tier=local_tier, fault_rules=fault_rules, registry=registry)
 
 
 def default_checkpointer() -> Checkpointer:

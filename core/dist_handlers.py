@@ -1,10 +1,12 @@
-"""Handlers for torch.distributed value types, registered into flatten.REGISTRY on import:
+"""Handlers for torch.distributed value types (registry.py registers what `handlers()` lists):
 DTensor (any mix of Replicate / Shard / _StridedShard), ShardedTensor (FSDP1's sharded state
 dict) and DistributedDataParallel (saved as the module it wraps)."""
 from __future__ import annotations
 
 from . import dist_tensors, torch_compat
-from .flatten import REGISTRY, Handler, Piece, TensorEntry, _entry
+from typing import Any, List, Tuple
+
+from .flatten import Handler, Piece, TensorEntry, tensor_entry
 
 try:  # optional at import time (torch builds without distributed)
     from torch.distributed.tensor import DTensor
@@ -18,7 +20,7 @@ class DTensorHandler(Handler):
 
     def save(self, value, key, walk):
         shape, layout, pieces = dist_tensors.dtensor_pieces(key, value)
-        walk.add_tensor(_entry(key, value, shape, layout, pieces, dist_tensors.dtensor_grid(value)))
+        walk.add_tensor(tensor_entry(key, value, shape, layout, pieces, dist_tensors.dtensor_grid(value)))
         return {"tensor": key}
 
     def load(self, value, key, walk, assign):
@@ -49,8 +51,11 @@ class DDPHandler(Handler):
         walk.load(value.module, key, lambda v: None)
 
 
-if DTensor is not None:
-    REGISTRY.register(DTensor, DTensorHandler())
-    REGISTRY.register(DistributedDataParallel, DDPHandler())
-if torch_compat.sharded_tensor_class() is not None:
-    REGISTRY.register(torch_compat.sharded_tensor_class(), ShardedTensorHandler())
+def handlers() -> List[Tuple[Any, Handler]]:
+    """(type, handler) for each of these types this torch build has."""
+    out: List[Tuple[Any, Handler]] = []
+    if DTensor is not None:
+        out += [(DTensor, DTensorHandler()), (DistributedDataParallel, DDPHandler())]
+    if torch_compat.sharded_tensor_class() is not None:
+        out.append((torch_compat.sharded_tensor_class(), ShardedTensorHandler()))
+    return out

@@ -33,7 +33,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from . import torch_compat
+from . import optim_state, torch_compat
 from .comm import Comm
 from .errors import CheckpointError
 from .shards import FlatShard
@@ -180,12 +180,11 @@ def save_optimizer(optim: torch.optim.Optimizer, model: nn.Module, key: str, wal
 
 
 def load_optimizer(optim: torch.optim.Optimizer, model: nn.Module, key: str, walk: Any) -> None:
-    from .flatten import _load_groups_only, _saved_without_state
     layout = flat_layout(model)
-    if _saved_without_state(walk.saved, key):  # saved before its first step: groups only, no state
+    if optim_state.saved_without_state(walk.saved, key):  # saved before its first step: groups only, no state
         loaded = {"osd": {"state": {}, "param_groups": optimizer_state(optim, model, layout, True)["param_groups"]}}
         walk.load(loaded["osd"], key, lambda v: loaded.__setitem__("osd", v))
-        walk.flat.finalizers.append(lambda: _load_groups_only(optim, loaded["osd"]))
+        walk.flat.finalizers.append(lambda: optim_state.load_groups_only(optim, loaded["osd"]))
         return
     ensure_state(optim)  # loading needs state tensors to read into
     osd = optimizer_state(optim, model, layout, for_load=True)

@@ -18,7 +18,7 @@ from . import codec, dtypes, zero_redundancy
 from .comm import Comm
 from .errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError,
                      StateMismatchError)
-from .flatten import Flat, build_from_structure, find_subtree, flatten_for_load, structure_leaves
+from .flatten import Flat, TypeRegistry, build_from_structure, find_subtree, flatten_for_load, structure_leaves
 from .metadata import METADATA_FILE, Metadata, dtype_itemsize
 from .planner import ReadItem, TargetSpec, check_targets, plan_load
 from .saver import DATA_PREFIX
@@ -185,13 +185,14 @@ def _list(keys: List[str], n: int = 20) -> str:
 
 
 def load(comm: Comm, store: Storage, workers: Workers, md: Metadata, state: Dict[str, Any], *, strict: bool,
-         allow_pickle: bool, shared, stats: LoadStats, fsdp1_route: str = "flat") -> Dict[str, Any]:
+         allow_pickle: bool, shared, stats: LoadStats, registry: TypeRegistry,
+         fsdp1_route: str = "flat") -> Dict[str, Any]:
     """Load `md`'s checkpoint into `state` in place (collective over comm); returns `state`.
     `shared(comm, md, needs)` plans which chunks one rank reads for others and broadcasts
     (zero-redundancy; or `zero_redundancy.no_sharing`): every other chunk is read locally."""
 
     def prepare():
-        flat = flatten_for_load(state, md.structure, fsdp1_route)
+        flat = flatten_for_load(state, registry, md.structure, fsdp1_route)
         missing, _ = _check_keys(flat, md, strict)
         saved = structure_leaves(md.structure)
         # a plain value in the target that the checkpoint holds as a container is read whole

@@ -1,0 +1,65 @@
+"""Handlers of nn.Module and torch.optim.Optimizer: a module as its state dict (FSDP1 through
+fsdp1.py), an optimizer keyed by parameter name through the module in the same state that owns
+its parameters, so optimizer state reshards with the model. Registered by registry.py."""
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import torch
+from torch import nn
+
+from . import fsdp1, optim_state
+from .flatten import Handler
+
+
+class ModuleHandler(Handler):
+    def save(self, value, key, walk):
+        if fsdp1.holds_fsdp1(value):
+            return fsdp1.save_module(value, key, walk)
+        return walk.save(dict(value.state_dict()), key)
+
+    def load(self, value, key, walk, assign):
+        if fsdp1.holds_fsdp1(value):
+            return fsdp1.load_module(value, key, walk)
+        sd = value.state_dict()
+        walk.load(sd, key, lambda v: None)
+        walk.flat.finalizers.append(lambda: value.load_state_dict(sd))
+
+
+class OptimizerHandler(Handler):
+    """Keyed by parameter name (via the module in the same state that owns the parameters), so
+    optimizer state reshards with the model; without such a module, falls back to index keys."""
+
+    def save(self, value, key, walk):
+        model = _owner_module(value, walk.param_owner)
+        if model is None:
+            return walk.registry.stateful.save(value, key, walk)
+        if fsdp1.uses_flat_route(model, walk.fsdp1_route):
+            return fsdp1.save_optimizer(value, model, key, walk)
+        return walk.save(optim_state.named_optimizer_state(model, value), key)
+
+    def load(self, value, key, walk, assign):
+        model = _owner_module(value, walk.param_owner)
+        if model is None:
+            return walk.registry.stateful.load(value, key, walk, assign)
+        if fsdp1.uses_flat_route(model, walk.fsdp1_route):
+            return fsdp1.load_optimizer(value, model, key, walk)
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+        # A state dict of plain values only is loaded whole (assign); otherwise in place.
+        loaded = {}
+        if optim_state.saved_without_state(walk.saved, key):
+            # Saved before its first step: the loaded optimizer has no state either, exactly as saved.
+            loaded["osd"] = optim_state.named_optimizer_state(model, value, with_state=False)
+            walk.load(loaded["osd"], key, lambda v: loaded.__setitem__("osd", v))
+            walk.flat.finalizers.append(lambda: optim_state.load_groups_only(value, loaded["osd"]))
+            return
+        loaded["osd"] = get_optimizer_state_dict(model, value)  # creates state for a fresh target: the template
+        walk.load(loaded["osd"], key, lambda v: loaded.__setitem__("osd", v))
+        walk.flat.finalizers.append(lambda: set_optimizer_state_dict(model, value, loaded["osd"]))
+
+
+def _owner_module(optim: torch.optim.Optimizer, owners: Dict[int, nn.Module]) -> Optional[nn.Module]:
+    found = {id(owners.get(id(p))) : owners.get(id(p)) for g in optim.param_groups for p in g["params"]}
+    if len(found) == 1 and None not in found.values():
+        return next(iter(found.values()))
+    return None
