@@ -125,3 +125,43 @@ def positions_to_names(osd: Dict[str, Any], names: List[str]) -> Dict[str, Any]:
 def keyed_by_names(osd: Any) -> bool:
     groups = osd.get("param_groups") if isinstance(osd, dict) else None
     return bool(groups) and any(isinstance(p, str) for g in groups for p in g.get("params", ()))
+
+
+# ---------------------------------------------------------------- resume paths (local tier)
+
+#: ``ckpt_path`` prefix that ``ByteCheckpointIO.load_checkpoint`` resolves to the newest complete
+#: checkpoint of the local tier or under the persistent directory that follows it.
+RESTORE_PREFIX = "bytecheckpoint-restore://"
+
+
+def resume_path(persistent_dir: Optional[str] = None) -> str:
+    """The ``ckpt_path`` to pass to ``Trainer.fit`` to resume from the newest complete checkpoint
+    these ranks can restore: the local tier of the plugin's checkpointer (own parts and peer
+    replicas, resharded to the current world, no persistent read) or the newest complete
+    checkpoint under ``persistent_dir`` (e.g. ``ModelCheckpoint``'s dirpath), whichever is newer."""
+    target = "" if persistent_dir is None else str(persistent_dir)
+    if target and "://" not in target:
+        target = os.path.abspath(target)
+    return RESTORE_PREFIX + target
+
+
+def is_resume_path(path: Any) -> bool:
+    return str(path).startswith(RESTORE_PREFIX)
+
+
+def persistent_of(path: Any) -> Optional[str]:
+    rest = str(path)[len(RESTORE_PREFIX):]
+    return rest or None
+
+
+def engine_handles_sharded_tensor() -> bool:
+    """bytecheckpoint's type registry has a handler for FSDP1's ShardedTensor (it is a
+    torch.Tensor subclass: without one it would be taken for a whole, replicated tensor)."""
+    import bytecheckpoint as bcp
+
+    try:
+        from torch.distributed._shard.sharded_tensor import ShardedTensor
+    except ImportError:  # pragma: no cover
+        return False
+    mro = ShardedTensor.__mro__
+    return any(k in bcp.REGISTRY for k in mro[:mro.index(torch.Tensor)])

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import weakref
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Callable, Dict, Mapping, Optional
 
 import bytecheckpoint as bcp
 import torch
@@ -35,7 +35,7 @@ from lightning.pytorch.plugins.io.torch_plugin import TorchCheckpointIO
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from . import _compat, _state, local_tier
+from . import _compat, _state
 
 log = logging.getLogger(__name__)
 
@@ -78,10 +78,8 @@ class ByteCheckpointIO(CheckpointIO):
         self.restore_rng = restore_rng
         self._legacy = TorchCheckpointIO()
         self._warned_schemes: set = set()
-        self._strategy_ref: Optional[weakref.ref] = None  # set by strategies.attach
-        from . import strategies
-
-        strategies.install_hooks()
+        self._strategy_ref: Optional[weakref.ref] = None  # set by connect()
+        self._template_for: Optional[Callable[["ByteCheckpointIO", _PATH], Optional[Dict[str, Any]]]] = None
 
     # ------------------------------------------------------------------ the engine
 
@@ -116,8 +114,8 @@ class ByteCheckpointIO(CheckpointIO):
     @override
     def load_checkpoint(self, path: _PATH, map_location: Optional[Any] = None,
                         weights_only: Optional[bool] = None) -> Dict[str, Any]:
-        if local_tier.is_resume_path(path):
-            return _to_device(self.restore(local_tier.persistent_of(path), weights_only=weights_only), map_location)
+        if _state.is_resume_path(path):
+            return _to_device(self.restore(_state.persistent_of(path), weights_only=weights_only), map_location)
         if not _state.is_bcp_path(path):
             if is_http_checkpoint(path):  # a checkpoint directory behind a web server: read-only
                 return _to_device(self.read(path, weights_only=weights_only), map_location)
@@ -126,9 +124,7 @@ class ByteCheckpointIO(CheckpointIO):
         if _is_file(path):  # a regular Lightning .ckpt file (users switching mid-run)
             return _compat.legacy_load(self._legacy, path, map_location, weights_only)
         self._wait_for(path)
-        from . import strategies
-
-        template = strategies.in_place_template(self, path)
+        template = self._template_for(self, path) if self._template_for is not None else None
         if template is not None:
             checkpoint = self.load(path, template, weights_only=weights_only, process_group=bcp.LOCAL)
         else:
@@ -221,6 +217,12 @@ class ByteCheckpointIO(CheckpointIO):
         structure = self.checkpointer.metadata(str(path), **self._call_kwargs(self._options())).structure
         return [k for k, _ in structure.get("dict", [])] if isinstance(structure, dict) else []
 
+    def connect(self, strategy: Any, template_for: Callable[["ByteCheckpointIO", _PATH], Optional[Dict[str, Any]]]) -> None:
+        """Called by the strategy adapters when a strategy takes this plugin: the strategy, and how
+        to build an in-place load template for it (None from it: read the checkpoint whole)."""
+        self._strategy_ref = weakref.ref(strategy)
+        self._template_for = template_for
+
     @property
     def strategy(self) -> Any:
         """The strategy this plugin was given to (None before, or after the strategy is gone)."""
@@ -272,6 +274,7 @@ class ByteCheckpointIO(CheckpointIO):
         state = dict(self.__dict__)
         state["_owned"] = self._checkpointer if self._checkpointer is not None else self._owned
         state["_strategy_ref"] = None
+        state["_template_for"] = None
         state["_checkpointer"] = None
         return state
 

@@ -14,8 +14,7 @@ name, optimizer states keyed by parameter position, so they load under any strat
 """
 from __future__ import annotations
 
-import weakref
-from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Union
+from typing import Any, Callable, Dict, Optional, Union
 
 from lightning.fabric.strategies import FSDPStrategy, ModelParallelStrategy
 from lightning.fabric.strategies import Strategy as FabricStrategy
@@ -26,8 +25,7 @@ from typing_extensions import override
 
 from . import _class_switch, _compat, _state
 
-if TYPE_CHECKING:
-    from .checkpoint_io import ByteCheckpointIO
+from .checkpoint_io import ByteCheckpointIO
 
 
 
@@ -38,8 +36,6 @@ def install_hooks() -> None:
 
 
 def _on_assign(strategy: Any, io: Any) -> bool:
-    from .checkpoint_io import ByteCheckpointIO
-
     if not isinstance(io, ByteCheckpointIO):
         unadapt(strategy)
         return False
@@ -48,10 +44,15 @@ def _on_assign(strategy: Any, io: Any) -> bool:
         ADAPTERS[next(cls for cls in ADAPTERS if issubclass(base, cls))](strategy)
         _compat.store_checkpoint_io(strategy, io)
         _class_switch.switch(strategy, _ShardedFabric)
-        io._strategy_ref = weakref.ref(strategy)
+        io.connect(strategy, _no_template)
         return True
-    io._strategy_ref = weakref.ref(strategy)
+    io.connect(strategy, _no_template)
     return False
+
+
+def _no_template(io: Any, path: Any) -> None:
+    """Fabric loads through its strategy's load_checkpoint, not the Trainer's in-place path."""
+    return None
 
 
 class _ShardedFabric(FabricStrategy):
@@ -160,9 +161,8 @@ def _sharded_module(state: Dict[str, Any]) -> Optional[nn.Module]:
 
 
 def _check_engine_fsdp(strategy: Any) -> None:
-    from .strategies import _engine_handles_sharded_tensor
 
-    if not _engine_handles_sharded_tensor():
+    if not _state.engine_handles_sharded_tensor():
         raise TypeError("ByteCheckpointIO does not support Fabric's FSDPStrategy with this bytecheckpoint engine: it "
                         "has no handler for FSDP1's ShardedTensor state dicts yet. Use ModelParallelStrategy (FSDP2 "
                         "fully_shard, tensor parallel) with Fabric, or Lightning's default checkpointing for FSDP.")

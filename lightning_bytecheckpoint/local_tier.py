@@ -13,37 +13,12 @@ sharded strategies (FSDP, ModelParallel) are refused before anything is written.
 """
 from __future__ import annotations
 
-import os
-from typing import Any, Optional
+from typing import Any
 
 from lightning.pytorch.callbacks import Callback
 
 from . import _compat, _state
-
-#: ``ckpt_path`` prefix that ``ByteCheckpointIO.load_checkpoint`` resolves to the newest complete
-#: checkpoint of the local tier or under the persistent directory that follows it.
-RESTORE_PREFIX = "bytecheckpoint-restore://"
-
-
-def resume_path(persistent_dir: Optional[str] = None) -> str:
-    """The ``ckpt_path`` to pass to ``Trainer.fit`` to resume from the newest complete checkpoint
-    these ranks can restore: the local tier of the plugin's checkpointer (own parts and peer
-    replicas, resharded to the current world, no persistent read) or the newest complete
-    checkpoint under ``persistent_dir`` (e.g. ``ModelCheckpoint``'s dirpath), whichever is newer."""
-    target = "" if persistent_dir is None else str(persistent_dir)
-    if target and "://" not in target:
-        target = os.path.abspath(target)
-    return RESTORE_PREFIX + target
-
-
-def is_resume_path(path: Any) -> bool:
-    return str(path).startswith(RESTORE_PREFIX)
-
-
-def persistent_of(path: Any) -> Optional[str]:
-    rest = str(path)[len(RESTORE_PREFIX):]
-    return rest or None
-
+from ._state import resume_path  # noqa: F401 - public here (lightning_bytecheckpoint.resume_path)
 
 class LocalTierCheckpoint(Callback):
     """Save to the local tier of the plugin's checkpointer every ``every_n_train_steps`` steps

@@ -17,8 +17,7 @@ hook that runs before the first save and no reference to its strategy, so no pub
 """
 from __future__ import annotations
 
-import weakref
-from typing import TYPE_CHECKING, Any, Dict, Optional, Union
+from typing import Any, Dict, Optional, Union
 
 import torch
 from lightning.fabric.utilities.types import _PATH
@@ -29,28 +28,20 @@ from typing_extensions import override
 
 from . import _class_switch, _compat, _state
 
-if TYPE_CHECKING:
-    from .checkpoint_io import ByteCheckpointIO
+from .checkpoint_io import ByteCheckpointIO
 
 
 
 def install_hooks() -> None:
-    """Idempotent: the setter hook on Lightning's strategies and the load_from_checkpoint hook."""
+    """Idempotent: the hook on Lightning's strategies' checkpoint_io setter (the package's
+    __init__ calls it, with the Fabric and load_from_checkpoint hooks)."""
     _compat.hook_checkpoint_io_setter(Strategy, _on_assign)
-    from .fabric_strategies import install_hooks as install_fabric_hooks
-    from .loading import hook_load_from_checkpoint
-
-    install_fabric_hooks()
-
-    hook_load_from_checkpoint()
 
 
 def _on_assign(strategy: Any, io: Any) -> bool:
-    from .checkpoint_io import ByteCheckpointIO
-
     if isinstance(io, ByteCheckpointIO):
         adapt(strategy)
-        io._strategy_ref = weakref.ref(strategy)
+        io.connect(strategy, in_place_template)
     else:
         unadapt(strategy)
     return False  # the original setter stores the plugin
@@ -162,7 +153,7 @@ class _FSDPAdapter(_ShardedLoad):
         return _compat.fsdp_state_dict_type(self) == "sharded"
 
     def _loads_sharded(self) -> bool:
-        return _engine_handles_sharded_tensor()
+        return _state.engine_handles_sharded_tensor()
 
 
 def _load_in_place(strategy: Strategy, io: "ByteCheckpointIO", path: str, weights_only: Optional[bool]) -> Dict:
@@ -224,19 +215,6 @@ def _fitting(module: Any) -> bool:
     return trainer is not None and trainer.state.fn == TrainerFn.FITTING
 
 
-def _engine_handles_sharded_tensor() -> bool:
-    """bytecheckpoint's type registry has a handler for FSDP1's ShardedTensor (it is a
-    torch.Tensor subclass: without one it would be taken for a whole, replicated tensor)."""
-    import bytecheckpoint as bcp
-
-    try:
-        from torch.distributed._shard.sharded_tensor import ShardedTensor
-    except ImportError:  # pragma: no cover
-        return False
-    mro = ShardedTensor.__mro__
-    return any(k in bcp.REGISTRY for k in mro[:mro.index(torch.Tensor)])
-
-
 def _LOCAL() -> Any:
     import bytecheckpoint as bcp
 
@@ -249,7 +227,7 @@ def _sharded_model_parallel(strategy: ModelParallelStrategy) -> None:
 
 def _check_fsdp(strategy: FSDPStrategy) -> None:
     kind = _compat.fsdp_state_dict_type(strategy)
-    if kind == "sharded" and not _engine_handles_sharded_tensor():
+    if kind == "sharded" and not _state.engine_handles_sharded_tensor():
         raise TypeError(
             "ByteCheckpointIO does not support FSDPStrategy(state_dict_type='sharded') with this bytecheckpoint "
             "engine: it has no handler for FSDP1's ShardedTensor state dicts yet. Use state_dict_type='full' (rank 0 "

@@ -175,9 +175,9 @@ def test_fsdp_sharded_needs_engine_support(tmp_path):
     """state_dict_type="sharded" gives ShardedTensor state dicts; an engine without a handler for
     them would store a rank's part as if it were the whole tensor, so the plugin refuses it
     when the strategy is built, saying what to use instead."""
-    from lightning_bytecheckpoint import strategies
+    from lightning_bytecheckpoint import _state
 
-    if strategies._engine_handles_sharded_tensor():
+    if _state.engine_handles_sharded_tensor():
         pytest.skip("the engine handles ShardedTensor: covered by the sharded round trip")
     from lightning.pytorch.strategies import FSDPStrategy
 
@@ -198,9 +198,9 @@ def test_fsdp_on_gpu(tmp_path):
 def test_fsdp_sharded_every_rank_writes_and_resumes_on_one_device(tmp_path):
     """state_dict_type="sharded" with the engine's FSDP1 support: every rank writes its shards
     (no gather), and one device resumes from them."""
-    from lightning_bytecheckpoint import strategies
+    from lightning_bytecheckpoint import _state
 
-    if not strategies._engine_handles_sharded_tensor():
+    if not _state.engine_handles_sharded_tensor():
         pytest.skip("the engine has no FSDP1 (ShardedTensor) support")
     ranks = run_ddp(tmp_path / "fsdp", "--max-steps", "4", "--state-dict-type", "sharded", script=__file__)
     ckpt = tmp_path / "fsdp" / "ckpts" / "step=3.ckpt"
