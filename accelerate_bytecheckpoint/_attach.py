@@ -27,25 +27,20 @@ import dataclasses
 import functools
 import logging
 import os
-import re
 from typing import Any, Callable, Dict, List, Optional
 
 import bytecheckpoint as bcp
-from bytecheckpoint.comm import Comm
 
+from . import _agreement
+from ._agreement import CHECKPOINT_SUBDIR, LEGACY_MODEL_FILES, save_on_each_node
 from . import _compat as compat
 from . import _routes as routes
 
 logger = logging.getLogger(__name__)
 
-#: Name of the bytecheckpoint directory inside each Accelerate checkpoint directory.
-CHECKPOINT_SUBDIR = "bytecheckpoint"
-
 _ATTACHMENT_ATTR = "_bytecheckpoint_attachment"
 _WRAPPED_METHODS = ("save_state", "load_state", "end_training")
 _MISSING = object()
-# Files Accelerate writes for models when it handles them itself (checkpoints saved without attach).
-_LEGACY_MODEL_FILES = ("model.safetensors", "pytorch_model.bin")
 
 
 def _key(prefix: str, index: int) -> str:
@@ -59,11 +54,6 @@ def _contains(items: List[Any], obj: Any) -> bool:
 
 def _strip_compile(model: Any) -> Any:
     return getattr(model, "_orig_mod", model)  # torch.compile's wrapper; FSDP wrappers are kept
-
-
-def _save_on_each_node(accelerator: Any) -> bool:
-    # ProjectConfiguration.save_on_each_node exists from accelerate 0.21 (older ones save on the main process only)
-    return bool(getattr(accelerator.project_configuration, "save_on_each_node", False))
 
 
 @dataclasses.dataclass
@@ -240,9 +230,9 @@ class ByteCheckpointAttachment:
         route = routes.route_for(acc, compat.models(acc))
         if self._async and not route.sharded and acc.num_processes > 1:
             # The main process may have saved alone, asynchronously: everyone waits for it.
-            self._arrive("load_state", route, "(the main process's async save commits first)")
+            _agreement.arrive(self._ckpt, "load_state", route, "(the main process's async save commits first)")
         if (args[0] if args else kwargs.get("input_dir")) is None:
-            latest = self._latest_committed()
+            latest = _agreement.latest_committed(self._accelerator, self._ckpt, self._storage)
             if latest is not None:
                 args, kwargs = ((latest, *args[1:]), kwargs) if args else (args, {**kwargs, "input_dir": latest})
         call = self._begin("load", route)
@@ -294,7 +284,7 @@ class ByteCheckpointAttachment:
                                "Accelerate itself", len(foreign))
             weights[:] = foreign  # Accelerate writes none of the models bytecheckpoint saves
         if self._collective(call.route):
-            kept = self._agree("save_state", call.route, call.directory, kept)
+            kept = _agreement.agree(self._accelerator, self._ckpt, "save_state", call.route, call.directory, kept)
         call.kept = kept
 
     def _load_hook_first(self, models: list, input_dir: str) -> None:
@@ -312,7 +302,7 @@ class ByteCheckpointAttachment:
         else:
             targets = [i for i, m in enumerate(call.models) if _contains(models, m)]
         if route.sharded:
-            self._agree("load_state", route, os.fspath(input_dir))
+            _agreement.agree(self._accelerator, self._ckpt, "load_state", route, os.fspath(input_dir))
         path = os.path.join(os.fspath(input_dir), CHECKPOINT_SUBDIR)
         if not self._ckpt.is_checkpoint(path, **self._storage):
             self._hand_back_legacy(call, input_dir, path)
@@ -350,7 +340,7 @@ class ByteCheckpointAttachment:
         models and optimizers are read twice in that case."""
         self._require_tier("restore")
         self._ckpt.wait()
-        folder = os.fspath(input_dir) if input_dir is not None else self._latest_committed()
+        folder = os.fspath(input_dir) if input_dir is not None else _agreement.latest_committed(self._accelerator, self._ckpt, self._storage)
         persistent = os.path.join(folder, CHECKPOINT_SUBDIR) if folder is not None else None
         state = self._local_state()
         # not strict: a persistent folder's bytecheckpoint part holds no schedulers or registered
@@ -391,7 +381,7 @@ class ByteCheckpointAttachment:
     def _writes(self) -> bool:
         """Replicated state: the processes Accelerate's own `save()` writes on."""
         acc = self._accelerator
-        return bool(acc.is_main_process or (_save_on_each_node(acc) and acc.is_local_main_process))
+        return bool(acc.is_main_process or (save_on_each_node(acc) and acc.is_local_main_process))
 
     def _save(self, call: _Call) -> None:
         collective = self._collective(call.route)
@@ -415,78 +405,10 @@ class ByteCheckpointAttachment:
         state["accelerator"] = {"step": int(acc.step)}
         return state
 
-    def _arrive(self, what: str, route: routes.Route, why: str = "") -> Comm:
-        """Every process must reach this point within the checkpointer's timeout_s (bounded)."""
-        comm = Comm(self._ckpt.process_group)
-        timeout = self._ckpt.options.timeout_s
-        try:
-            comm.arrive(timeout, f"accelerator.{what}")
-        except bcp.PeerTimeoutError as exc:
-            hint = ("; or attach without collective_save=True so that the main process saves replicated state alone"
-                    if what == "save_state" and not route.sharded else "")
-            raise bcp.PeerTimeoutError(
-                f"accelerator.{what} with {route.name} state is collective{' ' + why if why else ''}: not every process called it "
-                f"within {timeout:g} s (bytecheckpoint timeout_s, env BCP_TIMEOUT_S). Call it on every process, "
-                f"not only under `if accelerator.is_main_process:`{hint}. [{exc}]") from exc
-        return comm
-
-    def _agree(self, what: str, route: routes.Route, directory: str, kept: Optional[List[int]] = None) -> Any:
-        """Collective routes, before anything is written or read: every process passed the same
-        directory; the models saved are the main process's choice (Accelerate writes weights
-        from the main process, so its hooks decide)."""
-        acc = self._accelerator
-        comm = self._arrive(what, route)
-        views = comm.all_gather((os.path.abspath(directory), kept, bool(acc.is_local_main_process)))
-        if len({v[0] for v in views}) > 1:
-            per_rank = "; ".join(f"rank {r}: {v[0]}" for r, v in enumerate(views))
-            raise bcp.CheckpointError(
-                f"accelerator.{what}: the processes passed different directories ({per_rank}). {route.name} "
-                "state is written and read by every process in one directory: pass the same directory on every "
-                "process, on a file system they all see. Nothing was written or read by bytecheckpoint.")
-        nodes = sum(1 for v in views if v[2])
-        if _save_on_each_node(acc) and nodes > 1:
-            raise bcp.CheckpointError(
-                f"accelerator.{what}: save_on_each_node=True (node-local directories) with {route.name} state "
-                f"on {nodes} nodes: each node would hold only its own part. Use a shared file system and "
-                "save_on_each_node=False" + ("" if route.sharded else ", or attach without collective_save=True")
-                + ". Nothing was written or read by bytecheckpoint.")
-        return views[0][1]
-
-    def _latest_committed(self) -> Optional[str]:
-        """With automatic naming, load_state() resumes from the newest checkpoint_<n> whose
-        bytecheckpoint part was committed (an async save cut short by a crash leaves Accelerate's
-        files without it); Accelerate itself would pick the newest folder, committed or not."""
-        acc = self._accelerator
-        if not acc.project_configuration.automatic_checkpoint_naming:
-            return None
-        base = os.path.join(acc.project_dir, "checkpoints")
-        if not os.path.isdir(base):
-            return None  # Accelerate raises its own error
-        numbered = []
-        for name in os.listdir(base):
-            found = re.findall(r"([0-9]+)(?=[^/]*$)", name)  # Accelerate's ordering
-            if found:
-                numbered.append((int(found[0]), os.path.join(base, name)))
-        skipped = []
-        for _, folder in sorted(numbered, reverse=True):
-            if self._loadable(folder):
-                if skipped:
-                    logger.warning("bytecheckpoint: skipping uncommitted checkpoint(s) %s; resuming from %s", skipped, folder)
-                return folder
-            skipped.append(folder)
-        return None
-
-    def _loadable(self, folder: str) -> bool:
-        if self._ckpt.is_checkpoint(os.path.join(folder, CHECKPOINT_SUBDIR), **self._storage):
-            return True
-        return not os.path.isdir(os.path.join(folder, CHECKPOINT_SUBDIR)) and any(
-            os.path.exists(os.path.join(folder, name)) for name in _LEGACY_MODEL_FILES
-        )
-
     def _hand_back_legacy(self, call: _Call, input_dir: str, path: str) -> None:
         """A checkpoint written without attach: let Accelerate load models/optimizers itself."""
         acc = self._accelerator
-        has_legacy = any(os.path.exists(os.path.join(input_dir, name)) for name in _LEGACY_MODEL_FILES)
+        has_legacy = any(os.path.exists(os.path.join(input_dir, name)) for name in LEGACY_MODEL_FILES)
         if not has_legacy or call.route.models_before_hooks:
             hint = "Save it with an attached accelerator, or pass the directory save_state wrote."
             if not call.route.sharded and acc.num_processes > 1:

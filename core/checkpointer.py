@@ -16,15 +16,13 @@ from __future__ import annotations
 import logging
 import os
 import pickle
-import shutil
-import tempfile
 import threading
 import time
 from collections import OrderedDict
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from . import inspect as inspection
-from . import loader, saver, zero_redundancy
+from . import loader, restoring, saver, zero_redundancy
 from . import local_tier as local_tier_mod
 from .comm import LOCAL, Comm
 from .errors import CheckpointError, CheckpointerClosedError
@@ -35,14 +33,13 @@ from .metadata import METADATA_FILE, Metadata
 from .options import Options
 from .registry import REGISTRY
 from .staging import StagingPool
-from .storage import Storage, StorageEnv, faults, open_storage
-from .storage.specs import context_spec, static_credentials_files
+from .storage import Storage, faults
+from .storage_cache import StorageCache
 from .workers import BackgroundRunner, Workers
 
 log = logging.getLogger("bytecheckpoint")
 _UNSET: Any = object()  # "the instance's own setting" for per-call overrides
 _METADATA_CACHE_SIZE = 8
-_STORAGE_CACHE_SIZE = 64
 
 
 class Checkpointer:
@@ -89,10 +86,8 @@ class Checkpointer:
         self._plans = saver.PlanCache()
         self._pool: Optional[StagingPool] = None
         self._metadata: "OrderedDict[str, tuple]" = OrderedDict()
-        self._storages: "OrderedDict[tuple, Storage]" = OrderedDict()
+        self._stores = StorageCache(self.options)
         self._hosts: Dict[Any, List[str]] = {}
-        self._context = None
-        self._secrets: Optional[str] = None
         self._lock = threading.RLock()
         self._closed = False
 
@@ -211,7 +206,8 @@ class Checkpointer:
         self._check_open()
         comm = self._comm(process_group)
         if tier == "local":
-            restored = self._restore_local(comm, state, strict, allow_pickle, only=local_tier_mod.check_name(path))
+            choice = restoring.local_choice(self._local_tier(), comm, only=local_tier_mod.check_name(path))
+            restored = self._restore_local(comm, state, strict, allow_pickle, choice)
             if restored.source is None:
                 raise CheckpointError(f"local checkpoint {path!r}: {restored.reason}")
             return state
@@ -253,18 +249,19 @@ class Checkpointer:
         self._check_open()
         comm = self._comm(process_group)
         comm.arrive(self.options.timeout_s, "restore")
-        local = self._local_choice(comm) if self._tier is not None else None
+        local = restoring.local_choice(self._local_tier(), comm) if self._tier is not None else None
         newest = None
         if persistent is not None:
             from .retention import newest_complete
             newest = comm.run_on_coordinator(
                 lambda: newest_complete(self, os.fspath(persistent), storage_options), "finding the newest checkpoint")
-        if local is not None and local[0] is not None and (newest is None or _not_older(local[2], newest[0])):
-            return self._restore_local(comm, state, strict, allow_pickle, choice=local)
-        why = "no local tier" if local is None else local[3]
+        if local is not None and local.name is not None and (newest is None or
+                                                             restoring.not_older(local.created, newest[0])):
+            return self._restore_local(comm, state, strict, allow_pickle, local)
+        why = "no local tier" if local is None else local.why
         if newest is None:
             return Restored(None, None, reason=f"{why}; no complete checkpoint under {persistent!r}")
-        if local is not None and local[0] is not None:
+        if local is not None and local.name is not None:
             why = f"the persistent checkpoint {newest[1]!r} is newer than local {local[0]!r}"
         log.warning("bytecheckpoint: restoring from the persistent checkpoint %s (%s)", newest[1], why)
         if state is None:
@@ -273,47 +270,14 @@ class Checkpointer:
                   storage_options=storage_options)
         return Restored("persistent", newest[1], reason=why, state=state)
 
-    def _local_choice(self, comm: Comm, only: Optional[str] = None):
-        """Collective: (name, save_id, created, why-not, candidates of every rank) of the newest
-        local checkpoint the current ranks hold completely (name None when there is none)."""
-        tier = self._local_tier()
-        nodes = tier.nodes(comm)
-        mine = local_tier_mod.held_here(tier.tier, nodes[comm.rank])
-        if only is not None:
-            mine = [m for m in mine if m[0] == only]
-        candidates = comm.all_gather(mine)
-        choice = local_tier_mod.choose(candidates)
-        if choice is None:
-            seen = {(c[0], c[1]): (c[3], set()) for per in candidates for c in per}
-            for per in candidates:
-                for c in per:
-                    seen[(c[0], c[1])][1].update(c[4])
-            detail = "; ".join(f"{n}: parts {sorted(p)} of {w}" for (n, _), (w, p) in sorted(seen.items())[-3:])
-            why = (f"no local checkpoint is held completely by these {comm.world_size} ranks"
-                   + (f" ({detail})" if detail else " (none found)"))
-            return None, None, 0.0, why, candidates
-        created = max(c[2] for per in candidates for c in per if (c[0], c[1]) == choice)
-        return choice[0], choice[1], created, "", candidates
-
-    def _restore_local(self, comm: Comm, state: Dict[str, Any], strict: bool, allow_pickle: bool,
-                       only: Optional[str] = None, choice=None) -> Restored:
-        name, save_id, _, why, candidates = choice if choice is not None else self._local_choice(comm, only)
-        if name is None:
-            return Restored(None, None, reason=why)
-        tier = self._local_tier()
-        held = [sorted({p for c in per if (c[0], c[1]) == (name, save_id) for p in c[4]}) for per in candidates]
-        source = next(r for r, parts in enumerate(held) if parts)
-        store = tier.storage(comm, name)
-        md = comm.broadcast(local_tier_mod.read_local_metadata(store) if comm.rank == source else None, src=source)
-        if state is None:
-            state = top_level_placeholders(md.structure)
-        stats = loader.LoadStats()
-        with Workers(self.options.threads) as workers:
-            loader.load(comm, store, workers, md, state, strict=strict, allow_pickle=allow_pickle,
-                        shared=local_tier_mod.holder_planner(held), stats=stats,
-                        registry=self.registry, fsdp1_route=self.options.fsdp1_route)
-        self.last_load_stats = stats
-        return Restored("local", name, save_id, state=state)
+    def _restore_local(self, comm: Comm, state: Optional[Dict[str, Any]], strict: bool, allow_pickle: bool,
+                       choice: "restoring.LocalChoice") -> Restored:
+        restored, stats = restoring.restore_local(self._local_tier(), comm, state, choice, strict=strict,
+                                                  allow_pickle=allow_pickle, threads=self.options.threads,
+                                                  registry=self.registry, fsdp1_route=self.options.fsdp1_route)
+        if stats is not None:
+            self.last_load_stats = stats
+        return restored
 
     def _local_tier(self) -> "local_tier_mod.TierState":
         if self._tier is None:
@@ -391,14 +355,10 @@ class Checkpointer:
             self._pool = None
             self._plans.clear()
             self._metadata.clear()
-            self._storages.clear()
+            self._stores.close()
             self._hosts.clear()
             if self._tier is not None:
                 self._tier.close()
-            self._context = None
-            if self._secrets is not None:
-                shutil.rmtree(self._secrets, ignore_errors=True)
-                self._secrets = None
 
     @property
     def local_tier(self) -> Optional[LocalTier]:
@@ -422,19 +382,8 @@ class Checkpointer:
     # ------------------------------------------------------------------ resources
     def storage(self, path, storage_options: Any = _UNSET) -> Storage:
         """The storage of a checkpoint root (opened once, reused), with fault rules if any."""
-        url = os.fspath(path)
         opts = self.storage_options if storage_options is _UNSET else storage_options
-        key = (url, _freeze(opts))
-        with self._lock:
-            store = self._storages.get(key)
-            if store is None:
-                store = open_storage(url, opts, StorageEnv(self._tensorstore_context, self._secrets_dir,
-                                                           self.options.local_io))
-                self._storages[key] = store
-                while len(self._storages) > _STORAGE_CACHE_SIZE:
-                    self._storages.popitem(last=False)
-            else:
-                self._storages.move_to_end(key)
+        store = self._stores.get(os.fspath(path), opts)
         return faults.FaultyStorage(store, self.fault_rules) if self.fault_rules else store
 
     def _staging(self) -> StagingPool:
@@ -442,30 +391,6 @@ class Checkpointer:
             if self._pool is None:
                 self._pool = StagingPool(self.options.staging_slots)
             return self._pool
-
-    def _tensorstore_context(self):
-        import tensorstore as ts
-        with self._lock:
-            if self._context is None:
-                self._context = ts.Context(context_spec(self.options.io_concurrency, self.options.threads))
-            return self._context
-
-    def _secrets_dir(self, opts: Mapping[str, Any]) -> Optional[str]:
-        """Explicit S3 keys -> a private 0600 credentials file in a 0700 directory of this instance
-        (tensorstore has no inline static-key provider; see specs.aws_credentials_spec)."""
-        if not (opts.get("access_key_id") and opts.get("secret_access_key")):
-            return None
-        cred_name, conf_name, cred_text, conf_text = static_credentials_files(opts)
-        with self._lock:
-            if self._secrets is None or not os.path.isdir(self._secrets):
-                self._secrets = tempfile.mkdtemp(prefix="bytecheckpoint-aws-")
-            for name, text in ((cred_name, cred_text), (conf_name, conf_text)):
-                path = os.path.join(self._secrets, name)
-                if not os.path.exists(path):
-                    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-                    with os.fdopen(fd, "w") as f:
-                        f.write(text)
-            return self._secrets
 
     def _comm(self, process_group: Any) -> Comm:
         return Comm(self.process_group if process_group is _UNSET else process_group)
@@ -505,26 +430,10 @@ class Checkpointer:
             raise CheckpointerClosedError("this Checkpointer was closed; create a new one (or use bcp.save/load)")
 
 
-def _not_older(local_key, persistent_key) -> bool:
-    """A local checkpoint is restored unless the persistent one is newer: by training step when
-    both recorded one (a tie goes to the local tier: same state, no remote read), else by key."""
-    if local_key[0] >= 0 and persistent_key[0] >= 0:
-        return local_key[0] >= persistent_key[0]
-    return local_key >= persistent_key
-
-
 def _prepare(state: Dict[str, Any], registry: TypeRegistry, fsdp1_route: str):
     flat = flatten_for_save(state, registry, fsdp1_route)
     manifest, blob = saver.manifest_and_blob(flat)
     return flat, manifest, blob
-
-
-def _freeze(opts: Any) -> Any:
-    if opts is None:
-        return None
-    if isinstance(opts, Mapping):
-        return tuple(sorted((str(k), repr(v)) for k, v in opts.items()))
-    return ("invalid", repr(opts))
 
 
 def _same_target(a: str, b: str) -> bool:

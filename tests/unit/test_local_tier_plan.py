@@ -68,7 +68,7 @@ def test_single_process_local_tier_and_pruning(tmp_path):
 
 
 def test_restore_prefers_the_local_tier_for_the_same_step():
-    from bytecheckpoint.checkpointer import _not_older
+    from bytecheckpoint.restoring import not_older as _not_older
     from bytecheckpoint.saver import order_key
     local = order_key({"step": 3, "captured_unix": 100.0})
     later_save_same_step = order_key({"step": 3, "captured_unix": 100.2})   # the persistent save of step 3
