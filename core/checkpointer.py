@@ -78,7 +78,8 @@ class Checkpointer:
         self.registry = REGISTRY if registry is None else registry
         if local_tier is not None and not isinstance(local_tier, LocalTier):
             raise CheckpointError(f"Checkpointer: local_tier must be a bytecheckpoint.LocalTier, got {local_tier!r}")
-        self._tier = local_tier_mod.TierState(local_tier, self.options.timeout_s) if local_tier else None
+        self._tier = (local_tier_mod.TierState(local_tier, self.options.timeout_s, self.options.dead_peer_s)
+                      if local_tier else None)
         self.last_load_stats = loader.LoadStats()
         self.fault_rules = faults.Rules(fault_rules)  # test-only storage faults (storage/faults.py)
         self._pending = PendingSaves()
@@ -130,7 +131,7 @@ class Checkpointer:
         if tier == "local":
             tier_state, name = self._local_tier(), local_tier_mod.check_name(path)
             comm.arrive(self.options.timeout_s, f"local save {name!r}")
-            group = tier_state.group(comm)  # collective on first use, so in the foreground
+            tier_comm = tier_state.comm(comm)  # collective on first use, so in the foreground
             tier_state.nodes(comm)
             begin = lambda: (saver.new_save_id(), None)  # noqa: E731
         elif tier == "persistent":
@@ -152,9 +153,9 @@ class Checkpointer:
         data = saver.sources(flat, local.writes)
         handle = SaveHandle(str(path), pending=self._pending)
         if tier == "local":
-            job = local_tier_mod.LocalJob(tier_state, comm, group, name, local, full, save_id, flat.structure, blob,
-                                          info)
-            run_sync, start_background = job.run, lambda: (job.run, None)
+            job = local_tier_mod.LocalJob(tier_state, comm, tier_comm, name, local, full, save_id, flat.structure,
+                                          blob, info)
+            run_sync, start_background = job.run, lambda: (job.run, job.heartbeat)
         else:
             job = saver.Job(comm, store, local, full, save_id, old_data, flat.structure, overwrite, blob, info=info)
             run_sync, start_background = job.run_sync, lambda: self._persistent_background(job)

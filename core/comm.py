@@ -6,7 +6,10 @@ any rank into one error raised on every rank (no rank is left waiting in a colle
 from __future__ import annotations
 
 import datetime
+import pickle
 import socket
+import threading
+import time
 from typing import Any, Callable, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
@@ -32,8 +35,13 @@ LOCAL = _Local()
 
 
 class Comm:
-    def __init__(self, group: Optional[Any] = None):
+    """`group`'s collectives. With a `watch` (liveness.PeerWatch), every wait is bounded: a peer
+    whose heartbeat stopped for its dead_peer_s, or a wait longer than `timeout_s`, raises
+    PeerTimeoutError naming the rank (collectives run on a background thread use this)."""
+
+    def __init__(self, group: Optional[Any] = None, watch: Optional[Any] = None, timeout_s: float = 600.0):
         self.enabled = group is not LOCAL and dist.is_available() and dist.is_initialized()
+        self.watch, self.timeout_s = watch, timeout_s
         self.group = group if self.enabled else None
         self.rank = dist.get_rank(group) if self.enabled else 0
         self.world_size = dist.get_world_size(group) if self.enabled else 1
@@ -84,6 +92,8 @@ class Comm:
     def all_gather(self, obj: Any) -> List[Any]:
         if not self.enabled or self.world_size == 1:
             return [obj]
+        if self.watch is not None:
+            return self._bounded_all_gather(obj)
         out: List[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj, group=self.group)
         return out
@@ -99,6 +109,9 @@ class Comm:
     def broadcast(self, obj: Any, src: Optional[int] = None) -> Any:
         if not self.enabled or self.world_size == 1:
             return obj
+        if self.watch is not None:
+            return self._bounded_all_gather(obj if self.rank == (self.coordinator if src is None else src) else None)[
+                self.coordinator if src is None else src]
         box = [obj]
         dist.broadcast_object_list(box, src=self._global(self.coordinator if src is None else src), group=self.group)
         return box[0]
@@ -112,9 +125,6 @@ class Comm:
                                  src=self._global(self.coordinator), group=self.group)
         return out[0]
 
-    def all_true(self, flag: bool) -> bool:
-        return bool(self.min_int(1 if flag else 0))
-
     def min_int(self, value: int) -> int:
         """The smallest of every rank's `value` (one all-reduce: several yes/no questions at once)."""
         if not self.enabled or self.world_size == 1:
@@ -124,13 +134,27 @@ class Comm:
         return int(t.item())
 
     def barrier(self) -> None:
+        """Bounded only with a watch (the local tier's end of job)."""
         if self.enabled and self.world_size > 1:
-            dist.barrier(group=self.group)
+            if self.watch is None:
+                dist.barrier(group=self.group)
+            else:
+                self._wait(dist.all_reduce(torch.zeros(1), group=self.group, async_op=True), "barrier")
 
     # ------------------------------------------------------------ tensor collectives
-    def broadcast_tensor(self, t: torch.Tensor, src: int) -> None:
-        if self.enabled and self.world_size > 1:
-            dist.broadcast(t, src=self._global(src), group=self.group)
+    def exchange(self, sends: Sequence[Tuple[int, torch.Tensor]], receives: Sequence[Tuple[int, torch.Tensor]]) -> None:
+        """Point to point: send each (group rank, tensor), receive into each (group rank, tensor),
+        all posted at once (no ordering deadlock); waits bounded with a watch."""
+        if not self.enabled or self.world_size == 1:
+            return
+        works = [dist.isend(t, dst=self._global(dst), group=self.group) for dst, t in sends if t.numel()]
+        works += [dist.irecv(t, src=self._global(src), group=self.group) for src, t in receives if t.numel()]
+        if self.watch is None:
+            for w in works:
+                w.wait()
+            return
+        # gloo's point-to-point work completes only inside wait(): wait on a helper thread, watched
+        self._wait(_WaitingThread(works), "replica transfer")
 
     def broadcast_tensor_async(self, t: torch.Tensor, src: int):
         """Start a broadcast; returns its work handle (`.wait()`), or None when there is nothing to do."""
@@ -146,6 +170,48 @@ class Comm:
         if backend == "nccl":
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
+
+    # ------------------------------------------------------------ bounded waits (with a watch)
+    def _bounded_all_gather(self, obj: Any) -> List[Any]:
+        """all_gather_object over tensor collectives whose waits are polled (gloo CPU tensors)."""
+        data = pickle.dumps(obj)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+        self._wait(dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64), group=self.group,
+                                   async_op=True), "exchanging sizes")
+        longest = max(int(n) for n in sizes)
+        mine = torch.zeros(longest, dtype=torch.uint8)
+        if data:
+            mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        out = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)]
+        self._wait(dist.all_gather(out, mine, group=self.group, async_op=True), "exchanging plans")
+        return [pickle.loads(t[:int(n)].numpy().tobytes()) for t, n in zip(out, sizes)]
+
+    def _wait(self, work: Any, what: str) -> None:
+        """Wait for `work`; with a watch, poll it and give up on a dead peer or after timeout_s. A
+        transport error (a peer's socket closed) is turned into the dead peer's name when its
+        heartbeat stops within dead_peer_s."""
+        if self.watch is None:
+            work.wait()
+            return
+        start = time.monotonic()
+        self.watch.start_waiting()
+        delay = 0.001
+        while not work.is_completed():
+            self.watch.check(what)
+            if time.monotonic() - start > self.timeout_s:
+                raise PeerTimeoutError(f"{what}: gave up after {self.timeout_s:g} s waiting for the other ranks "
+                                       f"(timeout_s); nothing was committed")
+            time.sleep(delay)
+            delay = min(0.05, delay * 2)
+        try:
+            work.wait()
+        except RuntimeError as exc:  # e.g. gloo "Connection closed by peer": find out who
+            deadline = time.monotonic() + self.watch.dead_peer_s + 2.0
+            while time.monotonic() < deadline:
+                self.watch.check(what)
+                time.sleep(0.05)
+            raise PeerTimeoutError(f"{what}: the transfer failed ({exc}); every peer still has a heartbeat, so "
+                                   f"the network failed rather than a rank") from exc
 
     # ------------------------------------------------------------ failure agreement
     def agree(self, error: Optional[BaseException], what: str) -> None:
@@ -188,8 +254,34 @@ class Comm:
         return value
 
 
+class _WaitingThread:
+    """Work handles waited for on a daemon thread, seen as one work (is_completed / wait). A wait
+    stuck on a dead peer stays on that thread; its group is not used again (TierState.mark_broken)."""
+
+    def __init__(self, works: Sequence[Any]):
+        self._error: Optional[BaseException] = None
+        self._done = threading.Event()
+        threading.Thread(target=self._run, args=(list(works),), daemon=True, name="bytecheckpoint-p2p-wait").start()
+
+    def _run(self, works: List[Any]) -> None:
+        try:
+            for w in works:
+                w.wait()
+        except BaseException as exc:  # noqa: BLE001 - re-raised by wait() on the caller's thread
+            self._error = exc
+        finally:
+            self._done.set()
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self) -> None:
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+
+
 def _picklable(exc: BaseException) -> bool:
-    import pickle
     try:
         pickle.loads(pickle.dumps(exc))
         return True

@@ -27,10 +27,10 @@ from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tupl
 import torch
 import torch.distributed as dist
 
-from . import commit, saver
-from .comm import Comm
-from .errors import CheckpointError
-from . import dtypes
+from . import commit, dtypes, saver, torch_compat
+from .comm import LOCAL, Comm
+from .errors import CheckpointError, PeerTimeoutError
+from .liveness import PeerWatch
 from .metadata import Metadata, dtype_itemsize
 from .storage import chunks
 from .storage.posix import PosixStorage
@@ -134,11 +134,14 @@ def choose(candidates: Sequence[Sequence[Tuple[str, str, float, int, Sequence[in
 # ---------------------------------------------------------------------- per-Checkpointer state
 
 class TierState:
-    """The tier of one Checkpointer: its config, node ids and gloo group per process group."""
+    """The tier of one Checkpointer: its config, node ids, and per process group a gloo group
+    for the tier's background transfers with a heartbeat watch that bounds every wait on it."""
 
-    def __init__(self, tier: LocalTier, timeout_s: float):
-        self.tier, self.timeout_s = tier, timeout_s
+    def __init__(self, tier: LocalTier, timeout_s: float, dead_peer_s: float):
+        self.tier, self.timeout_s, self.dead_peer_s = tier, timeout_s, dead_peer_s
         self._groups: Dict[Any, Any] = {}
+        self._comms: Dict[Any, Comm] = {}
+        self._broken: Dict[Any, str] = {}
         self._nodes: Dict[Any, List[Hashable]] = {}
 
     def nodes(self, comm: Comm) -> List[Hashable]:
@@ -150,15 +153,28 @@ class TierState:
                 self._nodes[comm.key] = comm.hosts()
         return self._nodes[comm.key]
 
-    def group(self, comm: Comm) -> Any:
-        """Collective on first use per group: a gloo group for the tier's background transfers."""
+    def comm(self, comm: Comm) -> Comm:
+        """Collective on first use per group: the tier's own gloo group, its collectives bounded by
+        every rank's heartbeat (liveness.PeerWatch in the c10d store) and by timeout_s."""
         if not comm.enabled:
-            return None
-        if comm.key not in self._groups:
-            ranks = None if comm.group is None else dist.get_process_group_ranks(comm.group)
-            self._groups[comm.key] = dist.new_group(ranks=ranks, backend="gloo",
-                                                    timeout=datetime.timedelta(seconds=self.timeout_s))
-        return self._groups[comm.key]
+            return Comm(LOCAL)
+        if comm.key in self._broken:
+            raise CheckpointError(f"the local tier's process group failed in an earlier save "
+                                  f"({self._broken[comm.key]}); restart the job to use the local tier again")
+        if comm.key not in self._comms:
+            ranks = dist.get_process_group_ranks(comm.group) if comm.group is not None else list(
+                range(comm.world_size))
+            group = dist.new_group(ranks=ranks, backend="gloo", timeout=datetime.timedelta(seconds=self.timeout_s))
+            name = getattr(group, "group_name", None) or str(len(self._groups))
+            watch = PeerWatch(torch_compat.default_store(), f"bytecheckpoint/tier/{self.tier.job}/{name}", comm.rank,
+                              ranks, self.dead_peer_s)
+            self._groups[comm.key] = group
+            self._comms[comm.key] = Comm(group, watch=watch, timeout_s=self.timeout_s)
+        return self._comms[comm.key]
+
+    def mark_broken(self, comm: Comm, why: str) -> None:
+        """A tier collective failed (a dead peer): its gloo group may hold a stuck operation."""
+        self._broken[comm.key] = why
 
     def storage(self, comm: Comm, name: str) -> PosixStorage:
         node = self.nodes(comm)[comm.rank]
@@ -172,6 +188,7 @@ class TierState:
             except (RuntimeError, ValueError):  # the default group may already be gone
                 pass
         self._groups.clear()
+        self._comms.clear()
 
 
 def check_name(name: str) -> str:
@@ -188,7 +205,7 @@ class LocalJob:
     """Write this rank's part to its node, copy parts to/from replica ranks, commit on every node."""
     tier: TierState
     comm: Comm                 # the training group (ranks, node ids)
-    group: Any                 # the tier's gloo group (transfers, commit)
+    tier_comm: Comm            # the tier's gloo group (transfers, commit), bounded by heartbeats
     name: str
     local: saver.LocalPlan
     full: Any                  # SavePlan on the coordinator
@@ -202,33 +219,55 @@ class LocalJob:
         return PART_PREFIX + self.save_id
 
     def run(self, workers: Workers, data: Sequence[torch.Tensor]) -> None:
-        comm, rank, world = self.comm, self.comm.rank, self.comm.world_size
+        """Every rank of the group runs it (on a background thread for an async save). Each wait
+        on a peer is bounded: a dead rank is named within the checkpointer's dead_peer_s."""
+        watch = self.tier_comm.watch
+        if watch is not None:
+            watch.hold()  # usually held since save() already (heartbeat()); nested holds are counted
+        try:
+            self._run(workers, data)
+        except PeerTimeoutError as exc:
+            self.tier.mark_broken(self.comm, str(exc))
+            raise
+        finally:
+            if watch is not None:
+                watch.release()
+
+    def heartbeat(self) -> Optional["_Holding"]:
+        """Start this rank's heartbeat now (save() calls it before the job waits for its turn);
+        the returned object's stop() ends it."""
+        return _Holding(self.tier_comm.watch) if self.tier_comm.watch is not None else None
+
+    def _run(self, workers: Workers, data: Sequence[torch.Tensor]) -> None:
+        comm, tc, rank, world = self.comm, self.tier_comm, self.comm.rank, self.comm.world_size
         store = self.tier.storage(comm, self.name)
         nodes = self.tier.nodes(comm)
         targets = replica_targets(nodes, self.tier.tier.replicas)
         own = _attempt(lambda: saver.write_local(store, workers, self.data_dir, self.local, data,
                                                   self.objects_blob, rank))
         # 1. every rank's plan and values (small), and whether its own part was written
-        infos = _all_gather(self.group, world, (self.local, self.objects_blob, own[1]))
+        infos = tc.all_gather((self.local, self.objects_blob, own[1]))
         _raise_failures(f"local save {self.name!r}", [i[2] for i in infos])
         # 2. parts to the ranks on other nodes that keep a copy (one transfer per tensor)
         sources = [s for s in range(world) if rank in targets[s]]
-        received = _exchange(self.group, comm, rank, targets[rank], sources, data,
-                             {s: infos[s][0] for s in sources})
+        received = {s: [torch.empty(w.lengths, dtype=dtypes.to_torch(infos[s][0].arrays[w.array].dtype))
+                        for w in infos[s][0].writes] for s in sources}
+        tc.exchange([(dst, _bytes_of(t)) for dst in targets[rank] for t in data],
+                    [(src, _bytes_of(b)) for src in sources for b in received[src]])
         copied = _attempt(lambda: [saver.write_local(store, workers, self.data_dir, infos[s][0], received[s],
                                                      infos[s][1], s) for s in sources])
         # 3. commit: the coordinator builds the metadata from every rank's result; each node writes it
         status = None if copied[1] is None else f"writing replicas: {copied[1]}"
-        results = _gather(self.group, world, (own[0], status))
+        results = tc.all_gather((own[0], status))
         payload = None
         if rank == 0:
             payload = _attempt(lambda: self._metadata([(r, None) for r, _ in results], [s for _, s in results],
                                                       nodes, targets))
-        payload = _broadcast(self.group, world, payload)
+        payload = tc.broadcast(payload, src=0)
         if payload[1] is not None:
             raise CheckpointError(payload[1])
         self._commit_on_node(store, nodes, targets, [i[1] for i in infos], payload[0], sources)
-        _barrier(self.group, world)
+        tc.barrier()
         if _node_leader(nodes, rank):
             prune(self.tier.tier.root(nodes[rank]), keep=self.tier.tier.keep, current=self.name)
 
@@ -258,6 +297,17 @@ class LocalJob:
             store.put(LOCAL_METADATA, metadata, durable=True)
 
 
+class _Holding:
+    """A hold on a PeerWatch's heartbeat, released by stop() (the shape the async runner expects)."""
+
+    def __init__(self, watch: PeerWatch):
+        self.watch = watch
+        watch.hold()
+
+    def stop(self) -> None:
+        self.watch.release()
+
+
 def _node_leader(nodes: Sequence[Hashable], rank: int) -> bool:
     return list(nodes).index(nodes[rank]) == rank
 
@@ -273,54 +323,6 @@ def _raise_failures(what: str, errors: Sequence[Optional[str]]) -> None:
     failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
     if failed:
         raise CheckpointError(f"{what} failed: {'; '.join(failed[:8])}; nothing was committed")
-
-
-# The tier's collectives, on its own gloo group (no-ops for one process).
-def _all_gather(group, world: int, obj: Any) -> List[Any]:
-    if world == 1:
-        return [obj]
-    out: List[Any] = [None] * world
-    dist.all_gather_object(out, obj, group=group)
-    return out
-
-
-def _gather(group, world: int, obj: Any) -> List[Any]:
-    return _all_gather(group, world, obj)
-
-
-def _broadcast(group, world: int, obj: Any) -> Any:
-    if world == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
-    return box[0]
-
-
-def _barrier(group, world: int) -> None:
-    if world > 1:
-        dist.barrier(group=group)
-
-
-def _exchange(group, comm: Comm, rank: int, targets: Sequence[int], sources: Sequence[int],
-              data: Sequence[torch.Tensor], plans: Dict[int, saver.LocalPlan]) -> Dict[int, List[torch.Tensor]]:
-    """Send this rank's write buffers to its replica targets; receive the sources' into new buffers
-    shaped by their plans. All transfers are posted at once (no ordering deadlock)."""
-    works = []
-    for dst in targets:
-        for t in data:
-            if t.numel():
-                works.append(dist.isend(_bytes_of(t), dst=dist.get_global_rank(group, dst), group=group))
-    received: Dict[int, List[torch.Tensor]] = {}
-    for src in sources:
-        plan = plans[src]
-        bufs = [torch.empty(w.lengths, dtype=dtypes.to_torch(plan.arrays[w.array].dtype)) for w in plan.writes]
-        received[src] = bufs
-        for b in bufs:
-            if b.numel():
-                works.append(dist.irecv(_bytes_of(b), src=dist.get_global_rank(group, src), group=group))
-    for w in works:
-        w.wait()
-    return received
 
 
 def _bytes_of(t: torch.Tensor) -> torch.Tensor:

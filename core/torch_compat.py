@@ -170,3 +170,16 @@ def compute_local_shape_and_global_offset() -> Any:
         raise _missing("torch.distributed.tensor._utils.compute_local_shape_and_global_offset",
                        "redistribute DTensors to Replicate() before saving, or use a tested torch version") from None
     return fn
+
+
+def default_store() -> Optional[Any]:
+    """The c10d key-value store of the default process group (the rendezvous every rank reached),
+    or None. torch has no public accessor: `_get_default_store` since torch 1.x, checked here."""
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    getter = getattr(dist.distributed_c10d, "_get_default_store", None)
+    if getter is None:
+        raise _missing("torch.distributed.distributed_c10d._get_default_store",
+                       "the local tier's liveness check needs it; pin torch to a release that has it")
+    return getter()

@@ -101,3 +101,34 @@ def save_then_restore_swapped(run: str) -> None:
     assert all(torch.equal(got[k], ref[k]) for k in ref)
     assert stats.bytes_received > 0, stats
     print(f"rank {rank}: SWAPPED OK received {stats.bytes_received}", flush=True)
+
+
+def torn_save(run: str, victim: int, dead_peer_s: float) -> None:
+    """4 ranks as 2 nodes, one async local save of a few MiB; `victim` kills itself (-9) right
+    after save() returns, in the middle of the tier's transfers. Every survivor's wait() must raise
+    PeerTimeoutError naming the victim within dead_peer_s (plus a margin): prints the outcome."""
+    import signal
+
+    rank = dist.get_rank()
+    ckpt = bcp.Checkpointer.from_env(local_tier=_tier(run, 1, 2), dead_peer_s=dead_peer_s, timeout_s=120)
+    state = {"w": torch.full((4 << 20,), float(rank)), "step": 1}  # 16 MiB: the transfer outlives the kill
+    handle = ckpt.save("step_1", state, tier="local", async_save=True, step=1)
+    if rank == victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+    t0 = time.monotonic()
+    try:
+        handle.wait()
+        outcome = "COMMITTED"
+    except bcp.PeerTimeoutError as exc:
+        outcome = f"PEER_TIMEOUT {exc}"
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        outcome = f"OTHER {type(exc).__name__}: {exc}"
+    print(f"rank {rank}: WAITED {time.monotonic() - t0:.2f} {outcome}", flush=True)
+    # rank 0 hosts the rendezvous store here (a launcher does under torchrun): stay until every
+    # survivor has its answer, then leave without waiting for the tier group's stuck operation
+    open(os.path.join(run, f"done.{rank}"), "w").close()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not all(
+            os.path.exists(os.path.join(run, f"done.{r}")) for r in range(dist.get_world_size()) if r != victim):
+        time.sleep(0.05)
+    os._exit(0)

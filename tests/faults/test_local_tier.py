@@ -135,3 +135,24 @@ def test_accelerate_without_replicas_falls_back_to_save_state(tmp_path):
     got = _restored(outs)
     assert got["source"] == "persistent" and got["step"] % 3 == 0 and got["step"] <= kill_at, (got, kill_at, SEED)
     assert "no local checkpoint is held completely by these 1 ranks" in got["reason"], got
+
+
+@pytest.mark.timeout(120)
+def test_every_survivor_of_a_torn_local_save_names_the_dead_rank_within_dead_peer_s(tmp_path):
+    """A rank killed (-9) right after an async local save returned: each of the three survivors'
+    wait() raises PeerTimeoutError naming it within dead_peer_s plus a margin (before: two raised
+    raw gloo errors at once and the third waited for timeout_s in the tier group's all_gather)."""
+    dead_peer_s, victim = 3.0, 3
+    job = Job("local_tier_scenarios:torn_save", 4, {"run": str(tmp_path), "victim": victim,
+                                                    "dead_peer_s": dead_peer_s})
+    codes = job.finish(60)
+    outputs = job.outputs()
+    assert codes[victim] == -9, job.describe()
+    for r in (0, 1, 2):
+        line = next((ln for ln in outputs[r].splitlines() if ln.startswith(f"rank {r}: WAITED")), None)
+        assert line is not None and codes[r] == 0, job.describe()
+        waited = float(line.split()[3])
+        assert "PEER_TIMEOUT" in line and f"rank {victim} " in line, line
+        assert waited < dead_peer_s + 4.0, line
+    assert not os.path.exists(os.path.join(tmp_path, "local", "node0", "bcp-local", "default", "step_1",
+                                           "local-metadata.json")), "a torn local save was committed"
