@@ -36,7 +36,7 @@ except ImportError:  # pragma: no cover - optional accelerator
     from zlib import crc32 as _crc32
 
 # Chunks are checksummed per block of this many bytes (format 2), the unit of a verified range read.
-BLOCK_BYTES = int(os.environ.get("BCP_CHECKSUM_BLOCK_BYTES", 1 << 20))
+BLOCK_BYTES = 1 << 20  # the format's checksum block (recorded per array: readers take it from the metadata)
 
 Box = Tuple[Tuple[int, ...], Tuple[int, ...]]
 
