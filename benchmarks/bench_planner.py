@@ -129,10 +129,22 @@ def build_metadata(plan, world: int, sums):
     from bytecheckpoint import commit
     from bytecheckpoint.metadata import FORMAT_VERSION
     tensors = {k: _rooted_tensor(t) for k, t in plan.tensors.items()}
-    arrays = {f"{DATA_DIR}/{p}": commit.rooted(a, DATA_DIR, s) for p, (a, s) in sums.items()}
+    if FORMAT_VERSION >= 5:  # every chunk's (pack, offset): one pack per rank, chunks back to back
+        packs = tuple(f"{DATA_DIR}/pack/{r}-0.bin" for r in range(world))
+        arrays, offset = {}, 0
+        for i, (p, (a, s)) in enumerate(sums.items()):
+            where = {}
+            for j, name in enumerate(s):
+                where[name] = ((i + j) % world, offset & 0xFFFFFFFF, offset >> 32)
+                offset += 1 << 20
+            arrays[f"{DATA_DIR}/{p}"] = commit.rooted(a, DATA_DIR, s, where, packs)
+        extra = {"packs": packs}
+    else:
+        arrays = {f"{DATA_DIR}/{p}": commit.rooted(a, DATA_DIR, s) for p, (a, s) in sums.items()}
+        extra = {}
     objects = tuple(ObjectFileMeta(r, f"{DATA_DIR}/objects/rank_{r}.json", 2, 0) for r in range(world))
     return Metadata(FORMAT_VERSION, "bench", world, tensors, arrays, objects, {"dict": []},
-                    {"data_dir": DATA_DIR, "bytes_per_rank": list(plan.bytes_per_rank)})
+                    {"data_dir": DATA_DIR, "bytes_per_rank": list(plan.bytes_per_rank)}, **extra)
 
 
 def _rooted_tensor(t):
@@ -181,6 +193,16 @@ def load_targets(world: int, tensors: int, layout: str, resharded: bool):
     return out
 
 
+def objects_per_save(plan, with_table: bool) -> int:
+    """Objects a (sync) save of this plan writes in format 5: each rank's pack files (storage/packs.py:
+    one per 64 MiB, at most 4) and its plain-values file, then metadata.json (+ the table file)."""
+    import math
+    from bytecheckpoint.storage import packs
+    per_rank = [0 if b == 0 else max(1, min(packs.MAX_PACKS, math.ceil(b / packs.PACK_TARGET_BYTES)))
+                for b in plan.bytes_per_rank]
+    return sum(per_rank) + len(per_rank) + 1 + int(with_table)
+
+
 def run(layout: str, world: int, tensors: int, rng) -> dict:
     row = {"layout": layout, "ranks": world, "tensors": tensors}
     sent = payloads(world, tensors, layout)
@@ -220,6 +242,7 @@ def run(layout: str, world: int, tensors: int, rng) -> dict:
     row["table_mib"] = len(table or b"") / 2**20   # the checksum table file
     row["inline_mib"] = len(built.to_json()) / 2**20 if table else row["metadata_mib"]  # format 3: tables inline
     row["commit_bytes"] = max(commit_payload(plan, 0), commit_payload(plan, world // 2))
+    row["objects"] = objects_per_save(plan, table is not None)
     row["chunks"] = n_chunks
     del sums
     t0 = time.perf_counter()
@@ -251,7 +274,8 @@ COLUMNS = [("layout", "layout", "{}"), ("ranks", "ranks", "{}"), ("tensors", "te
            ("metadata build+json (s)", "metadata_s", "{:.2f}"), ("coordinator total (s)", "coordinator_s", "{:.2f}"),
            ("metadata.json (MiB)", "metadata_mib", "{:.1f}"), ("of which chunk crc32 (MiB)", "crc_mib", "{:.1f}"),
            ("checksum table file (MiB)", "table_mib", "{:.1f}"),
-           ("chunks", "chunks", "{}"), ("commit payload B/rank", "commit_bytes", "{}"),
+           ("chunks", "chunks", "{}"), ("objects per save", "objects", "{}"),
+           ("commit payload B/rank", "commit_bytes", "{}"),
            ("parse (s)", "parse_s", "{:.2f}"), ("plan_load 1 rank (s)", "load_s", "{:.3f}"),
            ("plan_load resharded (s)", "reshard_load_s", "{:.3f}"), ("cached check (s)", "cached_s", "{:.4f}")]
 
@@ -272,6 +296,8 @@ def targets(rows) -> list:
         out.append(("planner, fsdp 4096 ranks x 1000 tensors: coordinator (gather + plan + metadata)",
                     r["coordinator_s"], 5.0, "s", "the 5 s budget"))
         out.append(("planner, fsdp 4096 ranks: metadata.json", r["metadata_mib"], 10.0, "MiB", "the 10 MiB budget"))
+        out.append(("planner, fsdp 4096 ranks x 1000 tensors: objects per save (format 5)", r["objects"],
+                    2 * 4096 + 4, "objects", "the 2 x ranks + 4 budget"))
         out.append(("planner, fsdp 4096 ranks: metadata.json + checksum table file (all a load reads before data)",
                     r["metadata_mib"] + r["table_mib"], r["inline_mib"], "MiB",
                     "metadata.json with the tables inline (format 3), same plan"))

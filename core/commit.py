@@ -23,7 +23,10 @@ from .planner import SavePlan
 from .storage import Storage
 
 # (object file entry, {array path: {chunk name: block crc32s}}) or None, and an error message or None
-RankResult = Tuple[Optional[Tuple[ObjectFileMeta, Dict[str, Dict[str, int]]]], Optional[str]]
+# What one rank wrote: its object file, {array: {chunk: block crc32s}}, {array: {chunk: (pack, offset)}}
+WriteResult = Tuple[ObjectFileMeta, Dict[str, Dict[str, Any]], Dict[str, Dict[str, Tuple[str, int]]]]
+# (what it wrote, or None) and an error message, or None
+RankResult = Tuple[Optional[WriteResult], Optional[str]]
 
 
 def write_metadata(store: Storage, full: SavePlan, save_id: str, data_dir: str, world_size: int, structure: Any,
@@ -53,29 +56,39 @@ def build_metadata(url: str, full: SavePlan, save_id: str, data_dir: str, world_
         raise CheckpointError(f"save to {url!r} failed on {len(failed)} rank(s), nothing was committed "
                               f"(a previous checkpoint there is intact): {detail}")
     checksums: Dict[str, Dict[str, Any]] = {}
+    where: Dict[str, Dict[str, Tuple[str, int]]] = {}
     for res, _ in results:
         for path, sums in res[1].items():
             checksums.setdefault(path, {}).update(sums)
+        for path, locs in res[2].items():
+            where.setdefault(path, {}).update(locs)
+    packs = tuple(sorted({key for locs in where.values() for key, _ in locs.values()}))
+    index = {key: i for i, key in enumerate(packs)}
+    locations = {path: {name: (index[key], off & 0xFFFFFFFF, off >> 32) for name, (key, off) in locs.items()}
+                 for path, locs in where.items()}
     md = Metadata(
         version=FORMAT_VERSION, save_id=save_id, world_size=world_size,
         tensors={k: t.rooted(data_dir) for k, t in full.tensors.items()},
-        arrays={f"{data_dir}/{p}": rooted(a, data_dir, checksums.get(p, {})) for p, a in full.arrays.items()},
+        arrays={f"{data_dir}/{p}": rooted(a, data_dir, checksums.get(p, {}), locations.get(p, {}), packs)
+                for p, a in full.arrays.items()},
         objects=tuple(res[0] for res, _ in results),
         structure=structure,
         info={**(info or {}), "data_dir": data_dir, "created_unix": time.time(), "torch": torch.__version__,
               "bytes_per_rank": list(full.bytes_per_rank)},
+        packs=packs,
     )
     return md
 
 
-def rooted(a: ArrayMeta, data_dir: str, checksums: Optional[Dict[str, Any]] = None) -> ArrayMeta:
+def rooted(a: ArrayMeta, data_dir: str, checksums: Optional[Dict[str, Any]] = None,
+           locations: Optional[Dict[str, Tuple[int, int, int]]] = None, packs: Tuple[str, ...] = ()) -> ArrayMeta:
     """The array under the save's data directory; with the writers' checksums (per-block tuples,
-    chunks.BLOCK_BYTES long blocks) when given."""
+    chunks.BLOCK_BYTES long blocks) and pack locations when given."""
     if checksums is None:
         return ArrayMeta(f"{data_dir}/{a.path}", a.shape, a.chunks, a.dtype, dict(a.checksums), a.block_bytes)
     from .storage.chunks import BLOCK_BYTES
     return ArrayMeta(f"{data_dir}/{a.path}", a.shape, a.chunks, a.dtype,
-                     {k: tuple(v) for k, v in checksums.items()}, BLOCK_BYTES)
+                     {k: tuple(v) for k, v in checksums.items()}, BLOCK_BYTES, dict(locations or {}), packs)
 
 
 def collect_by_collective(comm: Comm, local: RankResult, decide) -> None:
@@ -104,7 +117,7 @@ class MarkerBoard:
         res, err = result
         body = {"error": err}
         if res is not None:
-            body.update(object=asdict(res[0]), checksums=res[1])
+            body.update(object=asdict(res[0]), checksums=res[1], locations=res[2])
         self.store.put(f"{self.prefix}rank_{self.rank}.json", json.dumps(body).encode())
 
     def collect(self) -> List[RankResult]:
@@ -120,7 +133,9 @@ class MarkerBoard:
             if body.get("error") is not None or "object" not in body:
                 out.append((None, body.get("error") or "no result"))
             else:
-                out.append(((ObjectFileMeta(**body["object"]), body["checksums"]), None))
+                locations = {p: {n: (k, int(o)) for n, (k, o) in locs.items()}
+                             for p, locs in body.get("locations", {}).items()}
+                out.append(((ObjectFileMeta(**body["object"]), body["checksums"], locations), None))
         return out
 
     def announce(self, error: Optional[BaseException]) -> None:

@@ -25,11 +25,13 @@ from .metadata_types import (MAX_ELEMENTS, ArrayMeta, ObjectFileMeta, RegionMeta
                              expect, fail, safe_relative_path)
 
 FORMAT_NAME = "bytecheckpoint"
-FORMAT_VERSION = 4  # 4: the packed checksum tables in a binary file beside the data when they are
+FORMAT_VERSION = 5  # 5: chunks packed into a few pack files per rank (ArrayMeta.locations, `packs`);
+                   # 4: the packed checksum tables in a binary file beside the data when they are
                    #    large (TABLE_FILE_MIN_BYTES); small checkpoints are still written as 3;
                    # 3: regular (DTensor) layouts as one "grid" per tensor, packed checksum tables;
-                   # 2: per-block chunk checksums (ArrayMeta.block_bytes); 1 to 3 still load
+                   # 2: per-block chunk checksums (ArrayMeta.block_bytes); 1 to 4 still load
 INLINE_TABLES_VERSION = 3
+PACKED_VERSION = 5
 # Checksum tables larger than this (packed bytes) go to their own file, so that metadata.json stays
 # the layout: 4096 FSDP ranks x 1000 tensors have ~12 MiB of crc32s (16 MiB as base64 in JSON).
 TABLE_FILE_MIN_BYTES = 1 << 20
@@ -49,6 +51,7 @@ class Metadata:
     objects: Tuple[ObjectFileMeta, ...]
     structure: Any                      # nesting of the saved state (see flatten.py)
     info: Mapping[str, Any] = field(default_factory=dict)  # library version, time, layout notes
+    packs: Tuple[str, ...] = ()         # format 5: the pack files holding every chunk (relative paths)
 
     def to_json(self) -> bytes:
         """Canonical JSON (sorted keys, no spaces) with a crc32 of everything else as `checksum`.
@@ -65,9 +68,12 @@ class Metadata:
     def _to_json(self, table_key: Optional[str]) -> Tuple[bytes, Optional[bytes]]:
         version = self.version
         packed = {k: _packed_table(a) for k, a in self.arrays.items()} if version >= 3 else {}
-        table_bytes = 4 * sum(len(t) for t in packed.values())
+        # an array without locations keeps one file per chunk (as before format 5)
+        where = {k: _location_table(a) for k, a in self.arrays.items()
+                 if a.locations} if version >= PACKED_VERSION else {}
+        table_bytes = 4 * (sum(len(t) for t in packed.values()) + sum(len(t) for t in where.values()))
         to_file = version >= 4 and table_key is not None and table_bytes > TABLE_FILE_MIN_BYTES
-        if version >= 4 and not to_file:
+        if version == 4 and not to_file:
             version = INLINE_TABLES_VERSION
         tables: Optional[Dict[Any, int]] = {} if version >= 3 else None
         arrays: Dict[str, Any] = {}
@@ -78,8 +84,13 @@ class Metadata:
             elif to_file:
                 arrays[k] = {**_array_head(a), "crc32_at": start}
                 start += len(packed[k])
+                if k in where:
+                    arrays[k]["at_at"] = start
+                    start += len(where[k])
             else:
                 arrays[k] = {**_array_head(a), "crc32": crc.encode(packed[k])}
+                if k in where:
+                    arrays[k]["at"] = crc.encode(where[k])
         parts = {
             "format": FORMAT_NAME,
             "version": version,
@@ -93,9 +104,12 @@ class Metadata:
         }
         if tables is not None:
             parts["meshes"] = [t.tolist() for t in tables]
+        if version >= PACKED_VERSION:
+            parts["packs"] = list(self.packs)
         table = None
         if to_file:
-            table = b"".join(np.asarray(packed[k], dtype="<u4").tobytes() for k in self.arrays)
+            table = b"".join(np.asarray(packed[k], dtype="<u4").tobytes() + (
+                np.asarray(where[k], dtype="<u4").tobytes() if k in where else b"") for k in self.arrays)
             parts["checksum_table"] = {"path": table_key, "nbytes": len(table), "crc32": zlib.crc32(table)}
         # each value is serialised once; the checksum is spliced in at its sorted place
         dumped = {k: json.dumps(v, sort_keys=True, separators=(",", ":")) for k, v in parts.items()}
@@ -151,6 +165,34 @@ def _packed_table(a: ArrayMeta):
         raise ValueError(f"array {a.path!r}: no checksum for chunk {exc}") from None
     except ValueError as exc:
         raise ValueError(f"array {a.path!r}: {exc}") from None
+
+
+def _location_table(a: ArrayMeta):
+    """Version 5: (pack index, offset low, offset high) of every chunk, row-major."""
+    try:
+        return crc.pack(crc.grid_counts(a.shape, a.chunks), a.locations, 3)
+    except KeyError as exc:
+        raise ValueError(f"array {a.path!r}: no pack location for chunk {exc}") from None
+
+
+def _parse_locations(a: Dict[str, Any], shape: Tuple[int, ...], chunks: Tuple[int, ...], n_chunks: int, n_packs: int,
+                     w: str, table_file: Optional[np.ndarray]) -> Mapping[str, Tuple[int, int, int]]:
+    """Version 5: three uint32 per chunk (pack index < len(packs), byte offset), base64 in `at` or
+    at value offset `at_at` of the table file."""
+    n = 3 * n_chunks
+    if table_file is not None:
+        expect("at" not in a, w, "both at and at_at")
+        at = check_int(a.get("at_at"), w, 0, len(table_file))
+        expect(at + n <= len(table_file), w, f"at_at {at} + {n} values runs past the table file")
+        table = table_file[at:at + n]
+    else:
+        try:
+            table = crc.decode(a.get("at"), n)
+        except ValueError:
+            raise fail(w, f"at is not a packed table of {n_chunks} chunk locations") from None
+    expect(n_chunks == 0 or int(np.asarray(table).reshape(-1, 3)[:, 0].max()) < n_packs, w,
+           "a chunk location names a pack file the metadata does not list")
+    return crc.PackedChecksums(crc.grid_counts(shape, chunks), table, 3)
 
 
 def _parse_packed(a: Dict[str, Any], shape: Tuple[int, ...], chunks: Tuple[int, ...], dtype: str, n_chunks: int,
@@ -249,6 +291,11 @@ def _parse(body: Any, where: str, fetch: Optional[Callable[[str], Optional[bytes
     world = check_int(body.get("world_size"), f"{where}.world_size", 1, 1 << 24)
 
     table_file = _read_table_file(body, where, fetch) if version >= 4 else None
+    packs: Tuple[str, ...] = ()
+    if version >= PACKED_VERSION:
+        raw_packs = body.get("packs")
+        expect(isinstance(raw_packs, list) and len(raw_packs) <= (1 << 24), where, "packs is not a list")
+        packs = tuple(safe_relative_path(p, f"{where}.packs") for p in raw_packs)
     arrays_raw = body.get("arrays")
     expect(isinstance(arrays_raw, dict), where, "arrays is not an object")
     arrays: Dict[str, ArrayMeta] = {}
@@ -267,7 +314,10 @@ def _parse(body: Any, where: str, fetch: Optional[Callable[[str], Optional[bytes
         else:
             sums, block = _parse_sums(a, chunks, a["dtype"], version, w)
             expect(n_chunks == len(sums), w, f"{n_chunks} chunks but {len(sums)} checksums")
-        arrays[path] = ArrayMeta(path, shape, chunks, a["dtype"], sums, block)
+        locations: Mapping[str, Any] = {}
+        if version >= PACKED_VERSION and ("at" in a or "at_at" in a):
+            locations = _parse_locations(a, shape, chunks, n_chunks, len(packs), w, table_file)
+        arrays[path] = ArrayMeta(path, shape, chunks, a["dtype"], sums, block, locations, packs)
 
     tables = parse_tables(body.get("meshes", []) if version >= 3 else [], world, where)
     tensors_raw = body.get("tensors")
@@ -316,7 +366,7 @@ def _parse(body: Any, where: str, fetch: Optional[Callable[[str], Optional[bytes
         expect(isinstance(info["data_dir"], str) and re.fullmatch(r"(data|part)-[A-Za-z0-9_-]{1,64}", info["data_dir"])
                 is not None, where, "bad data_dir")
     _check_structure(body.get("structure"), tensors, where)
-    return Metadata(version, save_id, world, tensors, arrays, tuple(objects), body.get("structure"), info)
+    return Metadata(version, save_id, world, tensors, arrays, tuple(objects), body.get("structure"), info, packs)
 
 
 def _check_structure(node: Any, tensors: Mapping[str, TensorMeta], where: str, depth: int = 0) -> None:

@@ -41,6 +41,10 @@ class ArrayMeta:
     # the crc32 of every block_bytes-long block of the chunk (the last one may be shorter)
     checksums: Mapping[str, Any] = field(default_factory=dict)
     block_bytes: int = 0
+    # format 5: chunk name -> (pack file index, byte offset low 32 bits, high 32 bits) in
+    # `pack_files` (the checkpoint's pack files, shared by all arrays); empty: one file per chunk
+    locations: Mapping[str, Tuple[int, int, int]] = field(default_factory=dict)
+    pack_files: Tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from .metadata import METADATA_FILE, Metadata, ObjectFileMeta
 from .planner import (LocalPlan, RankManifest, SavePlan, TensorManifest, WriteItem, local_plan, pack_manifest,
                       plan_save, split_for_ranks)
 from .regions import relative
-from .storage import Storage, chunks
+from .storage import Storage, chunks, packs
 from .storage.errors import StorageError
 from .workers import Workers
 
@@ -155,28 +155,19 @@ def sources(flat: Flat, writes: Sequence[WriteItem]) -> List[torch.Tensor]:
 
 
 def write_local(store: Storage, workers: Workers, data_dir: str, local: LocalPlan, data: Sequence[torch.Tensor],
-                objects_blob: bytes, rank: int) -> Tuple[ObjectFileMeta, Dict[str, Dict[str, Tuple[int, ...]]]]:
-    """Write this rank's boxes and plain values; returns the object file entry and the block crc32s
-    of every chunk it wrote."""
+                objects_blob: bytes, rank: int) -> commit.WriteResult:
+    """Write this rank's boxes (format 5: into its pack files, storage/packs.py) and plain values;
+    returns the object file entry, the block crc32s and the pack location of every chunk it wrote."""
     arrays = {p: commit.rooted(a, data_dir) for p, a in local.arrays.items()}
-    encoded = [(w.array, chunks.encode_box(arrays[w.array], w.array_offsets, t)) for w, t in zip(local.writes, data)]
-    # Every new file's directory first, in one pass, and the zarr.json files (small: issued on
-    # the pool) before any chunk is fdatasync'ed: a local file system's directory and file
-    # creations wait behind the journal commits that fdatasyncs force. Interleaved, they made
-    # Accelerate's 512-array save twice the durable-write floor (docs/results.md).
-    store.prepare([key for _, chunk_list in encoded for _, key, _ in chunk_list]
-                  + [chunks.zarr_json_key(arrays[path]) for path in local.creates])
-    created = list(workers.map(lambda path: chunks.write_zarr_json(store, arrays[path]), list(local.creates)))
-    pending: Dict[str, chunks.PendingWrite] = {}
-    for array, chunk_list in encoded:
-        pending[array] = chunks.start_write(store, workers, chunk_list, pending.get(array))
+    items = [(w.array, chunks.chunk_name(index), payload) for w, t in zip(local.writes, data)
+             for index, _, payload in chunks.encode_box(arrays[w.array], w.array_offsets, t)]
     obj_path = f"{data_dir}/objects/rank_{rank}.json"
+    store.prepare([obj_path])
+    checksums, locations = packs.write(store, workers, data_dir, rank, items, chunks.block_checksums,
+                                       chunks.BLOCK_BYTES)
     store.put(obj_path, objects_blob)
-    checksums = {path: p.finish(f"tensor data {path!r} to {store.url!r}") for path, p in pending.items()}
-    for fut in created:
-        fut.result()
-    store.sync()  # durable before reporting success (big chunks were fdatasync'ed as written)
-    return ObjectFileMeta(rank, obj_path, len(objects_blob), zlib.crc32(objects_blob)), checksums
+    store.sync()  # durable before reporting success (big packs were fdatasync'ed as written)
+    return ObjectFileMeta(rank, obj_path, len(objects_blob), zlib.crc32(objects_blob)), checksums, locations
 
 
 @dataclass

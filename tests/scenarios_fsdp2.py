@@ -80,11 +80,11 @@ def save_replicated(path: str):
     if dist.get_rank() == 0:
         logical = sum(v.numel() * 4 for v in state.values())
         on_disk = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs
-                      if "/c/" in os.path.join(d, f) or os.path.join(d, f).endswith("/c"))
+                      if "/pack/" in os.path.join(d, f))
         meta = bcp.inspect(path)
         writers = meta.info["bytes_per_rank"]
         print(f"logical {logical} on_disk {on_disk} per_rank {writers}")
-        assert on_disk == logical, (on_disk, logical)
+        assert logical <= on_disk <= logical + 64 * 64, (on_disk, logical)  # + 64-byte alignment of chunks
         assert max(writers) <= 1.1 * logical / 2 + 4000 * 4, writers
 
 

@@ -51,6 +51,11 @@ class Storage(abc.ABC):
     def write(self, key: str, data: memoryview) -> Request:
         """Start writing `data` (bytes-like, kept alive by the caller until result()) to `key`."""
 
+    def write_parts(self, key: str, parts: Sequence[memoryview]) -> Request:
+        """Start writing the concatenation of `parts` as one object (a pack file: format 5). This
+        default joins them (one copy); local files write them in place (PosixStorage)."""
+        return self.write(key, memoryview(b"".join(parts)))
+
     @abc.abstractmethod
     def read(self, key: str) -> Request:
         """Start reading a whole object; result() is a bytes-like value (bytes or a uint8 tensor),

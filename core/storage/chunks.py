@@ -44,6 +44,27 @@ def chunk_key(array_path: str, index: Sequence[int]) -> str:
     return f"{array_path}/c/" + "/".join(map(str, index)) if index else f"{array_path}/c"
 
 
+def chunk_location(meta: ArrayMeta, index: Sequence[int]) -> Tuple[str, Optional[int]]:
+    """Where a stored chunk's bytes are: (pack file, byte offset) in format 5, else (its own
+    file, None)."""
+    if meta.locations:
+        pack, low, high = meta.locations[chunk_name(index)]
+        return meta.pack_files[pack], low | (high << 32)
+    return chunk_key(meta.path, index), None
+
+
+def describe_chunk(meta: ArrayMeta, index: Sequence[int]) -> str:
+    key, offset = chunk_location(meta, index)
+    return key if offset is None else f"{chunk_name(index)} of {meta.path} (in {key} at byte {offset})"
+
+
+def _read_whole_chunk(storage, meta: ArrayMeta, index: Sequence[int]):
+    key, offset = chunk_location(meta, index)
+    if offset is None:
+        return storage.read(key)
+    return storage.read_range(key, offset, offset + chunk_bytes_len(meta))
+
+
 def chunk_extent(meta: ArrayMeta, index: Sequence[int]) -> Tuple[int, ...]:
     """The shape of the chunk's part inside the array (an edge chunk is stored padded to the full
     chunk shape; the padding is nobody's data)."""
@@ -225,7 +246,7 @@ def _stream_blocks(bufs: Sequence[memoryview], block: int) -> Iterator[int]:
 
 
 def _corrupt(meta: ArrayMeta, index: Sequence[int], what: str, where: str = "") -> CorruptCheckpointError:
-    return CorruptCheckpointError(f"{what}: chunk {chunk_key(meta.path, index)}{where} fails its crc32 checksum; the "
+    return CorruptCheckpointError(f"{what}: chunk {describe_chunk(meta, index)}{where} fails its crc32 checksum; the "
                                   f"checkpoint is damaged (run `python -m bytecheckpoint verify` for a report)")
 
 
@@ -292,7 +313,8 @@ class ChunkRead:
         """keep=True: read the whole chunk and keep its bytes as `raw` (a uint8 tensor) after finish()."""
         self.meta, self.index, self.parts = meta, index, parts
         self.raw: Optional[torch.Tensor] = None
-        self.key = chunk_key(meta.path, index)
+        self.key, base = chunk_location(meta, index)
+        self.base = base or 0
         self.view: Optional[memoryview] = None
         self.bufs: Optional[List[memoryview]] = None
         self.buffer: Optional[torch.Tensor] = None
@@ -308,18 +330,18 @@ class ChunkRead:
             lo, hi = min(s[0] for s in spans), max(s[1] for s in spans)
             self.start, self.stop = block_range(meta, lo, hi)
         if (self.start, self.stop) == (0, total):
-            self.req = storage.read(self.key)
+            self.req = _read_whole_chunk(storage, meta, index)
             return
         if len(parts) == 1 and spans[0][2] and _flat_cpu(parts[0][1]):
             dest = _uint8_view(parts[0][1])
             head = memoryview(bytearray(lo - self.start))
             tail = memoryview(bytearray(self.stop - hi))
             self.bufs = [b for b in (head, dest, tail) if len(b)]
-            self.req = storage.read_range_into(self.key, self.start, self.bufs)
+            self.req = storage.read_range_into(self.key, self.base + self.start, self.bufs)
             return
         self.buffer = torch.empty(total, dtype=torch.uint8)  # only the read range is touched
         self.bufs = [memoryview(self.buffer[self.start:self.stop].numpy())]
-        self.req = storage.read_range_into(self.key, self.start, self.bufs)
+        self.req = storage.read_range_into(self.key, self.base + self.start, self.bufs)
 
     def finish(self, what: str, dtype: torch.dtype) -> int:
         """Wait, check, copy into place; returns the bytes read."""
@@ -368,7 +390,7 @@ def _wait(request, key: str, what: str):
 def start_chunk_reads(storage, refs: Sequence[Tuple[ArrayMeta, Tuple[int, ...]]]) -> List[object]:
     """Start reading whole chunks (all in flight for object stores; run lazily on the worker that
     waits, for local files)."""
-    return [storage.read(chunk_key(meta.path, index)) for meta, index in refs]
+    return [_read_whole_chunk(storage, meta, index) for meta, index in refs]
 
 
 def lands_whole(meta: ArrayMeta, parts) -> bool:
@@ -381,18 +403,21 @@ def lands_whole(meta: ArrayMeta, parts) -> bool:
 
 def start_read_into(storage, meta: ArrayMeta, index: Sequence[int], dest: torch.Tensor):
     view = _uint8_view(dest)  # a view: dest is contiguous (0-d tensors too)
-    return storage.read_into(chunk_key(meta.path, index), view), view
+    key, offset = chunk_location(meta, index)
+    if offset is None:
+        return storage.read_into(key, view), view
+    return storage.read_range_into(key, offset, [view]), view
 
 
 def finish_read_into(request, view: memoryview, meta: ArrayMeta, index: Sequence[int], what: str) -> int:
-    _wait(request, chunk_key(meta.path, index), what)
+    _wait(request, describe_chunk(meta, index), what)
     check(view, meta, index, what)
     return len(view)
 
 
 def chunk_bytes(fut, meta: ArrayMeta, index: Sequence[int], what: str, verify: bool = True) -> bytes:
     """Wait for one whole-chunk read and check it."""
-    value = _wait(fut, chunk_key(meta.path, index), what)
+    value = _wait(fut, describe_chunk(meta, index), what)
     if verify:
         check(value, meta, index, what)
     return value

@@ -3,6 +3,8 @@ import os
 
 import pytest
 
+import bytecheckpoint as bcp
+
 from launcher import run_ranks
 
 WORLDS = (1, 2, 3, 4)
@@ -39,9 +41,12 @@ def test_corrupt_shared_chunk_fails_every_rank(saved, tmp_path):
     body = json.loads((copy / "metadata.json").read_text())
     key = next(k for k in body["tensors"] if k.startswith("replicated"))
     array = body["tensors"][key]["array"] or body["tensors"][key]["regions"][0][3]
-    chunk = next(p for p in (copy / array / "c").rglob("*") if p.is_file())
+    from bytecheckpoint.storage.chunks import chunk_bytes_len
+    meta = bcp.Checkpointer().metadata(copy).arrays[array]
+    _, (pack, low, high) = next(iter(meta.locations.items()))   # format 5: a chunk inside a pack file
+    chunk = copy / meta.pack_files[pack]
     raw = bytearray(chunk.read_bytes())
-    raw[len(raw) // 2] ^= 0xFF
+    raw[(low | high << 32) + chunk_bytes_len(meta) // 2] ^= 0xFF
     chunk.write_bytes(bytes(raw))
     outs = run_ranks("scenarios_reshard:load_corrupt_shared", 2, {"path": str(copy)}, timeout=180)
     assert all("raised" in o and "crc32" in o for o in outs), outs

@@ -65,7 +65,7 @@ def dead_peer_async(path: str, dead_peer_s: float) -> None:
     rank = _rank()
     ckpt = bcp.Checkpointer(dead_peer_s=dead_peer_s, timeout_s=600)
     state = {"w": bcp.Shard(torch.ones(1024, 256) * rank, (2048, 256), (1024 * rank, 0))}
-    with faults.inject({"op": "write", "kind": "kill", "key": "/c/", "rank": 1}, checkpointer=ckpt):
+    with faults.inject({"op": "write", "kind": "kill", "key": "/pack/", "rank": 1}, checkpointer=ckpt):
         h = ckpt.save(path, state, async_save=True)
         t0 = time.monotonic()
         try:

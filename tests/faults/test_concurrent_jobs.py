@@ -20,7 +20,7 @@ from harness import Job
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "integration"))
 from seaweed import seaweed  # noqa: E402,F401 - fixture
 
-SLOW = json.dumps([{"op": "write", "kind": "slow", "delay_s": 0.03, "key": "/c/", "count": 8}])
+SLOW = json.dumps([{"op": "write", "kind": "slow", "delay_s": 0.25, "key": "/pack/", "count": 8}])
 
 
 def race(path, world, tmp_path, storage_options=None):

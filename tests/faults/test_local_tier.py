@@ -79,7 +79,7 @@ def _resume_locally(run_dir: str, program: str, world: int) -> dict:
     be read. Returns the RESTORED line, checked against node 0's newest commit."""
     expected = _newest_committed(os.path.join(run_dir, "local", "node0"))
     assert expected is not None, f"no local checkpoint committed (seed {SEED})"
-    faults = {"BCP_FAULTS": json.dumps([{"op": "read", "kind": "error", "key": "/c/"}])}
+    faults = {"BCP_FAULTS": json.dumps([{"op": "read", "kind": "error", "key": "/pack/"}])}
     outs = run(f"{program}:resume", world, {"run": run_dir, "replicas": 1}, timeout=150, env=faults)
     got = _restored(outs)
     assert got["source"] == "local" and got["name"] == expected, (got, expected, SEED)

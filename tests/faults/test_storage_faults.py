@@ -59,14 +59,14 @@ def _fail_save(tmp_path, rules, *, async_save=False, match="", error="Checkpoint
 # ---------------------------------------------------------------------- fast subset (make test)
 @pytest.mark.timeout(200)
 def test_write_error_on_one_rank(tmp_path):
-    outs = _fail_save(tmp_path, [{"op": "write", "kind": "error", "key": "/c/", "rank": 1}],
+    outs = _fail_save(tmp_path, [{"op": "write", "kind": "error", "key": "/pack/", "rank": 1}],
                       match="rank 1")
     assert all(re.search(r"Input/output error|OS error 5|Errno 5", o) for o in outs)
 
 
 @pytest.mark.timeout(200)
 def test_enospc_async_through_tensorstore_kvstore(tmp_path):
-    outs = _fail_save(tmp_path, [{"op": "write", "kind": "enospc", "key": "/c/", "rank": 0, "skip": 2}],
+    outs = _fail_save(tmp_path, [{"op": "write", "kind": "enospc", "key": "/pack/", "rank": 0}],
                       async_save=True, env=KV)
     assert all("No space left" in o or "no space left" in o for o in outs)
 
@@ -84,7 +84,7 @@ def test_read_error_on_load(tmp_path):
     fs.save_version(target, 3)  # saved here by one process; loaded (resharded) by two
     outs = run("fault_scenarios:expect_failure", WORLD,
                {"op": "load", "path": target, "version": 3, "match": ""},
-               env=_env([{"op": "read", "kind": "error", "key": "/c/", "rank": 1, "skip": 1}]), timeout=150)
+               env=_env([{"op": "read", "kind": "error", "key": "/pack/", "rank": 1, "skip": 1}]), timeout=150)
     assert all("RAISED" in o and "LATER_SAVE_OK" in o for o in outs), outs
     # the checkpoint itself is fine
     fs.load_and_check(target, 3)
@@ -95,7 +95,7 @@ def test_read_error_on_load(tmp_path):
 def test_slow_writes_complete(tmp_path):
     target = str(tmp_path / "slow")
     outs = run("fault_scenarios:save_then_load", WORLD, {"paths": [target], "version": 4},
-               env=_env([{"op": "write", "kind": "slow", "delay_s": 0.05, "key": "/c/", "rank": 1, "count": 20}]),
+               env=_env([{"op": "write", "kind": "slow", "delay_s": 0.3, "key": "/pack/", "rank": 1, "count": 20}]),
                timeout=150)
     assert all("SAVE_LOAD_OK" in o for o in outs)
     save_s = [float(m) for o in outs for m in re.findall(r"SAVE_S ([0-9.]+)", o)]
@@ -105,12 +105,11 @@ def test_slow_writes_complete(tmp_path):
 
 # ---------------------------------------------------------------------- long set (make test-faults)
 CASES = {
-    "eio-write-rank0": [{"op": "write", "kind": "error", "key": "/c/", "rank": 0}],
-    "eio-write-rank1-late": [{"op": "write", "kind": "error", "key": "/c/", "rank": 1, "skip": 5}],
-    "enospc-rank1": [{"op": "write", "kind": "enospc", "key": "/c/", "rank": 1}],
+    "eio-write-rank0": [{"op": "write", "kind": "error", "key": "/pack/", "rank": 0}],
+    "eio-write-rank1-late": [{"op": "write", "kind": "error", "key": "objects/", "rank": 1}],  # after its packs
+    "enospc-rank1": [{"op": "write", "kind": "enospc", "key": "/pack/", "rank": 1}],
     "enospc-objects-rank0": [{"op": "write", "kind": "enospc", "key": "objects/", "rank": 0}],
-    "enospc-zarr-json": [{"op": "write", "kind": "enospc", "key": "zarr.json", "rank": 1}],
-    "denied-every-rank": [{"op": "write", "kind": "denied", "key": "/c/"}],
+    "denied-every-rank": [{"op": "write", "kind": "denied", "key": "/pack/"}],
     "commit-enospc": [{"op": "write", "kind": "enospc", "key": "metadata.json", "rank": 0}],
     "flush-fails-rank1": [{"op": "sync", "kind": "error", "rank": 1}],
     "begin-read-fails": [{"op": "read", "kind": "error", "key": "metadata.json", "rank": 0}],
@@ -132,8 +131,8 @@ def test_injected_save_fault(tmp_path, case, async_save, io):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("io", ["posix", "tensorstore"])
 @pytest.mark.parametrize("rule", [
-    {"op": "read", "kind": "error", "key": "/c/", "rank": 0},
-    {"op": "read", "kind": "denied", "key": "/c/"},
+    {"op": "read", "kind": "error", "key": "/pack/", "rank": 0},
+    {"op": "read", "kind": "denied", "key": "/pack/"},
     {"op": "read", "kind": "error", "key": "objects/", "rank": 1},
     {"op": "read", "kind": "error", "key": "metadata.json", "rank": 0},
 ], ids=["chunk-rank0", "chunk-denied-all", "objects-rank1", "metadata-rank0"])
@@ -151,7 +150,7 @@ def test_injected_load_fault(tmp_path, rule, io):
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
 def test_slow_writes_every_rank(tmp_path, async_save):
     target = str(tmp_path / "slow")
-    rules = [{"op": "write", "kind": "slow", "delay_s": 0.02, "key": "/c/", "count": 30}]
+    rules = [{"op": "write", "kind": "slow", "delay_s": 0.02, "key": "/pack/", "count": 30}]
     outs = run("fault_scenarios:save_then_load", WORLD, {"paths": [target], "version": 4},
                env=_env(rules), timeout=200)
     assert all("SAVE_LOAD_OK" in o for o in outs)

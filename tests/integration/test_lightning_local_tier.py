@@ -138,7 +138,7 @@ def test_lightning_lost_node_resumes_from_the_local_tier_on_one_process(tmp_path
     kill_at = _lose_node_1(tmp_path, replicas=1)
     expected = newest_local(tmp_path / "local" / "node0")
     assert expected is not None and expected >= kill_at - 1, (expected, kill_at, SEED)
-    faults = {"BCP_FAULTS": json.dumps([{"op": "read", "kind": "error", "key": "/c/"}])}
+    faults = {"BCP_FAULTS": json.dumps([{"op": "read", "kind": "error", "key": "/pack/"}])}
     got = _resume(tmp_path, replicas=1, env=faults)
     assert got["step"] == expected, (got["step"], expected, kill_at, SEED)
     assert f"resuming from the local checkpoint step_{expected}" in got["log"], got["log"][-3000:]

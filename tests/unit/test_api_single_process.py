@@ -223,7 +223,7 @@ def test_async_save_onto_existing_fails_before_returning(tmp_path):
 
 def test_async_failure_raised_by_wait(tmp_path):
     from bytecheckpoint.storage import faults
-    with faults.inject({"op": "write", "kind": "error", "key": "/c"}, checkpointer=bcp.default_checkpointer()):  # every chunk write fails
+    with faults.inject({"op": "write", "kind": "error", "key": "/pack/"}, checkpointer=bcp.default_checkpointer()):  # every chunk write fails
         h = bcp.save(tmp_path / "w", {"t": torch.ones(2)}, async_save=True)
         with pytest.raises(bcp.CheckpointError, match="Input/output error"):
             h.wait()
@@ -232,7 +232,7 @@ def test_async_failure_raised_by_wait(tmp_path):
 
 def test_async_background_failure_surfaces_on_next_save(tmp_path):
     from bytecheckpoint.storage import faults
-    with faults.inject({"op": "write", "kind": "error", "key": "/c"}, checkpointer=bcp.default_checkpointer()):
+    with faults.inject({"op": "write", "kind": "error", "key": "/pack/"}, checkpointer=bcp.default_checkpointer()):
         h = bcp.save(tmp_path / "y", {"t": torch.ones(2)}, async_save=True)
         while not h.done():
             pass
@@ -249,7 +249,7 @@ def test_unwaited_background_failure_is_reported_at_exit(tmp_path):
         "import time, torch, bytecheckpoint as bcp\n"
         f"bcp.save({str(tmp_path / 'x')!r}, {{'w': torch.ones(3)}}, async_save=True)\n"
         "time.sleep(0.5)\n")
-    env = dict(os.environ, BCP_FAULTS='[{"op": "write", "kind": "enospc", "key": "/c"}]')
+    env = dict(os.environ, BCP_FAULTS='[{"op": "write", "kind": "enospc", "key": "/pack/"}]')
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert "failed and was not committed" in out.stderr and "No space left" in out.stderr
     assert not bcp.is_checkpoint(tmp_path / "x")

@@ -23,8 +23,9 @@ def _saved(tmp_path):
     body = json.loads((tmp_path / "ck" / "metadata.json").read_text())
     (arr,) = body["arrays"].values()
     assert arr["block_bytes"] == 4096 and arr["chunks"] == [ROWS, COLS]
-    chunk = tmp_path / "ck" / arr["path"] / "c" / "0" / "0"
-    return full, chunk
+    (meta,) = bcp.Checkpointer().metadata(tmp_path / "ck").arrays.values()
+    key, offset = chunks.chunk_location(meta, (0, 0))   # format 5: the chunk inside a pack file
+    return full, (tmp_path / "ck" / key, offset)
 
 
 @pytest.fixture(params=["posix", "tensorstore"])
@@ -41,9 +42,10 @@ def _load_rows(root, lo, hi, local_io="posix"):
     return part.local, ck.last_load_stats
 
 
-def _flip(path, offset):
+def _flip(chunk, offset):
+    path, base = chunk
     raw = bytearray(path.read_bytes())
-    raw[offset] ^= 0x10
+    raw[base + offset] ^= 0x10
     path.write_bytes(bytes(raw))
 
 
@@ -83,8 +85,8 @@ def test_non_contiguous_part_is_read_through_a_buffer_and_checked(tmp_path, smal
 
 
 def test_truncated_chunk_is_caught_by_a_range_read(tmp_path, small_blocks, local_io):
-    _, chunk = _saved(tmp_path)
-    chunk.write_bytes(chunk.read_bytes()[: 40 * COLS * 4])
+    _, (path, base) = _saved(tmp_path)
+    path.write_bytes(path.read_bytes()[: base + 40 * COLS * 4])
     with pytest.raises(bcp.CorruptCheckpointError, match="shorter|damaged"):
         _load_rows(tmp_path / "ck", 36, 48, local_io)
 

@@ -1,7 +1,7 @@
-"""Pins the on-disk format v3 and v4 (docs/format.md). A change here is a format change: bump
-FORMAT_VERSION and document it instead of editing the expectations. Format 1 and 2 checkpoints
-(written by the code of those versions, kept under data/format_v1 and data/format_v2) must still
-load and verify."""
+"""Pins the on-disk format v5 (docs/format.md). A change here is a format change: bump
+FORMAT_VERSION and document it instead of editing the expectations. Format 1 to 4 checkpoints
+(written by the code of those versions, kept under data/format_v1 .. format_v4) must still load
+and verify."""
 import base64
 import json
 import os
@@ -25,32 +25,41 @@ def _save(tmp_path):
     return tmp_path / "ck"
 
 
+def _at(arr):
+    """(pack index, byte offset) of each chunk of an array entry, from its packed `at` table."""
+    raw = base64.b64decode(arr["at"])
+    vals = struct.unpack(f"<{len(raw) // 4}I", raw)
+    return [(vals[i], vals[i + 1] | (vals[i + 2] << 32)) for i in range(0, len(vals), 3)]
+
+
 def test_layout_and_metadata(tmp_path):
     root = _save(tmp_path)
     body = json.loads((root / "metadata.json").read_text())
-    assert sorted(body) == ["arrays", "checksum", "format", "info", "meshes", "objects", "save_id", "structure",
-                            "tensors", "version", "world_size"]
-    assert body["format"] == "bytecheckpoint" and body["version"] == 3 and body["world_size"] == 1
+    assert sorted(body) == ["arrays", "checksum", "format", "info", "meshes", "objects", "packs", "save_id",
+                            "structure", "tensors", "version", "world_size"]
+    assert body["format"] == "bytecheckpoint" and body["version"] == 5 and body["world_size"] == 1
     data_dir = body["info"]["data_dir"]
     assert data_dir == f"data-{body['save_id']}" and (root / data_dir).is_dir()
+    # format 5: every chunk of the rank in one pack file (a rank with more bytes writes up to 4)
+    assert body["packs"] == [f"{data_dir}/pack/0-0.bin"]
+    files = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+    assert files == sorted(["metadata.json", f"{data_dir}/objects/rank_0.json", f"{data_dir}/pack/0-0.bin"])
     w = body["tensors"]["model/w"]
     name = f"model.w~{zlib.crc32(b'model/w'):08x}"
     # a plain tensor is the trivial regular layout: a 1-D mesh of its holders, all replicating
     assert w == {"dtype": "float32", "shape": [3, 4], "layout": "replicated", "holders": 1,
                  "array": f"{data_dir}/{name}", "grid": {"mesh": [1], "dims": [-1], "ranks": 0, "split": 1048576}}
     assert body["meshes"] == [[0]]
-    raw = (root / data_dir / name / "c" / "0" / "0").read_bytes()
-    assert raw == torch.arange(12, dtype=torch.float32).numpy().tobytes()  # zarr "bytes" codec, little-endian
     arr = body["arrays"][f"{data_dir}/{name}"]
+    ((pack, offset),) = _at(arr)
+    assert pack == 0 and offset % 64 == 0   # chunks start at 64-byte aligned offsets
+    raw = (root / body["packs"][pack]).read_bytes()[offset:offset + 48]
+    assert raw == torch.arange(12, dtype=torch.float32).numpy().tobytes()  # C order, little-endian
     # per-block crc32 (1 MiB blocks; this chunk is one block), every chunk's blocks in row-major
-    # chunk order in one base64 string of little-endian uint32s
+    # chunk order in one base64 string of little-endian uint32s; `at`: 3 uint32 per chunk
     assert arr == {"path": f"{data_dir}/{name}", "shape": [3, 4], "chunks": [3, 4], "dtype": "float32",
-                   "block_bytes": 1 << 20, "crc32": base64.b64encode(struct.pack("<I", zlib.crc32(raw))).decode()}
-    assert json.loads((root / data_dir / name / "zarr.json").read_text()) == {
-        "zarr_format": 3, "node_type": "array", "shape": [3, 4], "data_type": "float32",
-        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [3, 4]}},
-        "chunk_key_encoding": {"name": "default"}, "fill_value": 0.0,
-        "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}]}
+                   "block_bytes": 1 << 20, "crc32": base64.b64encode(struct.pack("<I", zlib.crc32(raw))).decode(),
+                   "at": base64.b64encode(struct.pack("<3I", 0, offset, 0)).decode()}
     assert body["structure"] == {"dict": [["model", {"dict": [["w", {"tensor": "model/w"}],
                                                               ["b", {"tensor": "model/b"}]]}],
                                           ["step", {"object": "step"}]]}
@@ -58,16 +67,52 @@ def test_layout_and_metadata(tmp_path):
     assert json.loads((root / body["objects"][0]["path"]).read_text()) == {"step": 7}
 
 
-def test_arrays_open_with_tensorstore_alone(tmp_path):
+def test_pack_files_read_without_this_library(tmp_path):
+    """docs/format.md is enough: metadata.json + the pack files give every tensor with json,
+    base64, struct and numpy alone (what another implementation would do)."""
+    import numpy as np
     root = _save(tmp_path)
     body = json.loads((root / "metadata.json").read_text())
+    for key, want in (("model/w", torch.arange(12.0).view(3, 4)), ("model/b", torch.arange(3.0))):
+        t = body["tensors"][key]
+        arr = body["arrays"][t["array"]]
+        ((pack, offset),) = _at(arr)
+        n = 1
+        for d in arr["shape"]:
+            n *= d
+        if t["dtype"] == "bfloat16":   # numpy has no bfloat16: widen the upper 16 bits of a float32
+            bits = np.frombuffer((root / body["packs"][pack]).read_bytes(), dtype="<u2", count=n, offset=offset)
+            got = (bits.astype("<u4") << 16).view("<f4")
+        else:
+            got = np.frombuffer((root / body["packs"][pack]).read_bytes(), dtype="<f4", count=n, offset=offset)
+        assert got.reshape(arr["shape"]).tolist() == want.tolist()
+
+
+V3 = Path(__file__).parent / "data" / "format_v3"
+V4 = Path(__file__).parent / "data" / "format_v4"
+
+
+@pytest.mark.parametrize("fixture,version", [(V3, 3), (V4, 4)])
+def test_format_v3_v4_checkpoints_still_load_verify_and_open_with_tensorstore(fixture, version):
+    """Written by the format-3/4 code (one zarr v3 array per tensor, one file per chunk): they load,
+    verify, read a part as the blocks that hold it, and their arrays still open with tensorstore."""
+    body = json.loads((fixture / "metadata.json").read_text())
+    assert body["version"] == version and ("checksum_table" in body) == (version == 4)
+    state = bcp.load(fixture, V1_STATE())
+    assert state["step"] == 7 and torch.equal(state["model"]["w"], torch.arange(12.0).view(3, 4))
+    assert torch.equal(state["model"]["b"], torch.arange(3, dtype=torch.bfloat16))
+    assert torch.equal(state["big"], torch.arange(2048.0).view(64, 32))
+    assert bcp.verify(fixture).ok and bcp.inspect(fixture).format_version == version
+    part = bcp.Shard(torch.zeros(8, 32), (64, 32), (16, 0))
+    bcp.Checkpointer().load(fixture, {"big": part}, strict=False)
+    assert torch.equal(part.local, torch.arange(2048.0).view(64, 32)[16:24])
     for key, t in body["tensors"].items():
-        path = t["array"]
-        arr = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(root / path) + "/"}}).result()
+        arr = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(fixture / t["array"]) + "/"}}
+                      ).result()
         got = arr.read().result()
         if key == "model/w":
             assert got.tolist() == torch.arange(12.0).view(3, 4).tolist()
-        else:
+        elif key == "model/b":
             assert str(arr.dtype.name) == "bfloat16" and got.astype("float32").tolist() == [0.0, 1.0, 2.0]
 
 
@@ -172,7 +217,12 @@ def test_metadata_round_trips_through_every_version(tmp_path):
     from bytecheckpoint.metadata import Metadata
     root = _save(tmp_path)
     md = Metadata.from_json((root / "metadata.json").read_bytes())
-    assert md.version == 3 and md.tensors["model/w"].grid is not None
+    assert md.version == 5 and md.tensors["model/w"].grid is not None
+    again = Metadata.from_json(md.to_json())
+    for p, a in md.arrays.items():
+        assert dict(again.arrays[p].locations) == dict(a.locations) and again.arrays[p].pack_files == md.packs
+    md = dataclasses.replace(md, version=3, packs=(), arrays={
+        p: dataclasses.replace(a, locations={}, pack_files=()) for p, a in md.arrays.items()})
     v1_arrays = {p: dataclasses.replace(a, checksums={k: v[0] for k, v in a.checksums.items()}, block_bytes=0)
                  for p, a in md.arrays.items()}
     for version, source in ((2, md), (1, dataclasses.replace(md, arrays=v1_arrays))):
@@ -196,16 +246,15 @@ def test_version_4_keeps_large_checksum_tables_in_a_checked_file_beside_the_data
     body = json.loads((tmp_path / "c" / "metadata.json").read_text())
     entry = body["checksum_table"]
     table = tmp_path / "c" / entry["path"]
-    assert body["version"] == 4 and entry["path"] == f"{body['info']['data_dir']}/checksums.bin"
-    assert all("crc32" not in a and "crc32_at" in a for a in body["arrays"].values())
+    assert body["version"] == 5 and entry["path"] == f"{body['info']['data_dir']}/checksums.bin"
+    assert all("crc32" not in a and "at" not in a and "crc32_at" in a and "at_at" in a for a in body["arrays"].values())
     assert table.stat().st_size == entry["nbytes"] and zlib.crc32(table.read_bytes()) == entry["crc32"]
     out = {"w": torch.zeros(30, 100), "b": torch.zeros(7), "step": 0}
     bcp.load(str(tmp_path / "c"), out)
     assert torch.equal(out["w"], state["w"]) and torch.equal(out["b"], state["b"]) and out["step"] == 3
-    assert bcp.verify(str(tmp_path / "c")).ok and bcp.inspect(str(tmp_path / "c")).format_version == 4
+    assert bcp.verify(str(tmp_path / "c")).ok and bcp.inspect(str(tmp_path / "c")).format_version == 5
 
-    chunk = next(p for p in (tmp_path / "c").rglob("*")
-                 if p.is_file() and "/w~" in str(p) and "zarr.json" not in p.name)
+    chunk = next(p for p in (tmp_path / "c").rglob("*.bin") if "/pack/" in str(p))
     data = bytearray(chunk.read_bytes())
     data[5] ^= 0xFF
     chunk.write_bytes(bytes(data))
