@@ -22,7 +22,7 @@ from .flatten import Flat, TypeRegistry, build_from_structure, find_subtree, fla
 from .metadata import METADATA_FILE, Metadata, dtype_itemsize
 from .planner import ReadItem, TargetSpec, check_targets, plan_load
 from .saver import DATA_PREFIX
-from .storage import Storage, chunks
+from .storage import Storage, chunks, packs
 from .workers import Workers
 
 
@@ -80,12 +80,32 @@ def chunk_needs(md: Metadata, reads: Sequence[ReadItem], dests: Sequence[torch.T
 def read_chunks(store: Storage, workers: Workers, md: Metadata, needs: Needs, stats: LoadStats, what: str) -> None:
     """Read every needed chunk (all in flight at once), check it, copy its parts into place. A
     chunk that fills one contiguous target is read straight into it; a chunk needed only in part
-    is read as the checksum blocks that hold that part (chunks.ChunkRead)."""
-    started = [(ref, chunks.ChunkRead(store, md.arrays[ref[0]], ref[1], parts)) for ref, parts in needs.items()]
+    is read as the checksum blocks that hold that part (chunks.ChunkRead). Whole chunks that lie
+    near each other in one pack file (format 5) are read by one request (packs.plan_runs)."""
+    located, rest = [], []
+    for ref, parts in needs.items():
+        meta = md.arrays[ref[0]]
+        if meta.locations and chunks.lands_whole(meta, parts):
+            key, offset = chunks.chunk_location(meta, ref[1])
+            located.append((key, offset, chunks.chunk_bytes_len(meta), (ref, parts[0][1])))
+        else:
+            rest.append((ref, parts))
+    started = [(ref, chunks.ChunkRead(store, md.arrays[ref[0]], ref[1], parts)) for ref, parts in rest]
 
     def finish(ref, read) -> int:  # I/O, checksum and copy release the GIL: run on the worker pool
         return read.finish(f"{what} {ref[0]!r}", dtypes.to_torch(md.arrays[ref[0]].dtype))
 
+    def read_run(run: packs.Run) -> int:
+        views = [chunks.uint8_view(dest) for _, (_, dest) in run.members]
+        chunks.wait_for(store.read_range_into(run.key, run.start, packs.scatter_list(run, views)), run.key, what)
+        for (_, (ref, _)), view in zip(run.members, views):
+            chunks.check(view, md.arrays[ref[0]], ref[1], f"{what} {ref[0]!r}")
+        return sum(len(v) for v in views)
+
+    runs = packs.plan_runs(located)
+    for nbytes in workers.map(read_run, runs):
+        stats.bytes_read += nbytes
+        stats.reads += 1
     for nbytes in workers.map(finish, started):
         stats.bytes_read += nbytes
         stats.reads += 1

@@ -371,8 +371,18 @@ def as_uint8_view(t: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
 
 
-def _uint8_view(t: torch.Tensor) -> memoryview:
+def uint8_view(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, writable, as a flat memoryview (no copy)."""
     return memoryview(as_uint8_view(t).numpy()).cast("B")
+
+
+_uint8_view = uint8_view
+
+
+def wait_for(request, key: str, what: str):
+    """A request's result; a failed read is a CheckpointError naming `key`, a missing object a
+    CorruptCheckpointError."""
+    return _wait(request, key, what)
 
 
 def _wait(request, key: str, what: str):

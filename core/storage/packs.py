@@ -94,3 +94,49 @@ def write(storage, workers, data_dir: str, rank: int, items: Sequence[Item], blo
             checksums.setdefault(array, {})[name] = crcs
             locations.setdefault(array, {})[name] = (keys[slots[i].pack], slots[i].offset)
     return checksums, locations
+
+
+# ---------------------------------------------------------------------- reading
+
+RUN_GAP_BYTES = 64 << 10          # chunks closer than this in one pack are read by one request
+RUN_MAX_BYTES = 64 << 20          # ... up to this much, so that the runs spread over the workers
+
+
+@dataclass
+class Run:
+    """Whole chunks of one pack file, near each other, read by one scatter request straight into
+    their destinations (gaps into scratch), then each checked against its checksums."""
+    key: str
+    start: int
+    members: List[Tuple[int, object]]   # (offset, payload the caller attaches: chunk ref, view, ...)
+    stop: int = 0
+
+
+def plan_runs(located: Sequence[Tuple[str, int, int, object]]) -> List[Run]:
+    """(pack key, offset, nbytes, payload) of whole-chunk reads -> runs (pure)."""
+    runs: List[Run] = []
+    by_key: Dict[str, List[Tuple[int, int, object]]] = {}
+    for key, offset, nbytes, payload in located:
+        by_key.setdefault(key, []).append((offset, nbytes, payload))
+    for key in sorted(by_key):
+        current = None
+        for offset, nbytes, payload in sorted(by_key[key], key=lambda x: x[0]):
+            if (current is None or offset - current.stop > RUN_GAP_BYTES or offset < current.stop
+                    or offset + nbytes - current.start > RUN_MAX_BYTES):
+                current = Run(key, offset, [], offset)
+                runs.append(current)
+            current.members.append((offset, payload))
+            current.stop = offset + nbytes
+    return runs
+
+
+def scatter_list(run: Run, views: Sequence[memoryview]) -> List[memoryview]:
+    """The buffers of one run's request: each member's view, scratch for the gaps between them."""
+    bufs: List[memoryview] = []
+    pos = run.start
+    for (offset, _), view in zip(run.members, views):
+        if offset > pos:
+            bufs.append(memoryview(bytearray(offset - pos)))
+        bufs.append(view)
+        pos = offset + len(view)
+    return bufs
