@@ -68,13 +68,15 @@ COMPAT_VENV ?= .venv-compat
 OLDEST      := lightning==2.4.0 accelerate==1.6.0
 ADAPTER_TESTS := tests/integration/test_lightning.py tests/integration/test_lightning_contracts.py \
                  tests/integration/test_accelerate.py tests/integration/test_accelerate_attach.py
+# DeepSpeed: only its newest supported release (0.19.8) is tested (the [deepspeed] extra's range)
+DEEPSPEED_TESTS := tests/dist/test_deepspeed.py
 TORCH_NEW   := torch==2.14.1
 TORCH_VENV  ?= .venv-torch-new
 .PHONY: test-compat test-compat-torch
 
 test-compat: $(STAMP)
-	@echo "== newest: lightning/accelerate $$($(PY) -c 'import lightning, accelerate; print(lightning.__version__, accelerate.__version__)')"
-	$(PY) -m pytest -q $(ADAPTER_TESTS)
+	@echo "== newest: lightning/accelerate/deepspeed $$($(PY) -c 'import lightning, accelerate, deepspeed; print(lightning.__version__, accelerate.__version__, deepspeed.__version__)')"
+	$(PY) -m pytest -q $(ADAPTER_TESTS) $(DEEPSPEED_TESTS)
 	@echo "== oldest: $(OLDEST)"
 	test -x $(COMPAT_VENV)/bin/python || python3 -m venv $(COMPAT_VENV)
 	$(COMPAT_VENV)/bin/pip install -q $(TORCH)

@@ -70,7 +70,15 @@ class TypeRegistry:
 
     def __init__(self, stateful: Handler, plain: Handler) -> None:
         self._handlers: Dict[Type, Handler] = {}
+        self._by_name: Dict[str, Handler] = {}
         self.stateful, self.plain = stateful, plain
+
+    def register_by_name(self, qualified_name: str, handler: Handler) -> None:
+        """A handler for a class named "module.QualName", matched without importing its module
+        (an optional framework, e.g. deepspeed.runtime.engine.DeepSpeedEngine)."""
+        if not isinstance(handler, Handler):
+            raise TypeError(f"register_by_name: handler must be a bytecheckpoint Handler, got {type(handler).__name__}")
+        self._by_name[qualified_name] = handler
 
     def register(self, typ: Type, handler: Handler, *, override: bool = False) -> None:
         """Add a handler for `typ`; replacing an existing one needs override=True."""
@@ -88,6 +96,8 @@ class TypeRegistry:
     def handler_for(self, value: Any) -> Handler:
         for klass in type(value).__mro__:
             h = self._handlers.get(klass)
+            if h is None and self._by_name:
+                h = self._by_name.get(f"{klass.__module__}.{klass.__qualname__}")
             if h is not None:
                 return h
         if callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None)):

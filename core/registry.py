@@ -8,6 +8,7 @@ from torch import nn
 
 from . import dist_handlers
 from .flatten import TypeRegistry
+from .handlers_deepspeed import ENGINE_CLASS, DeepSpeedEngineHandler
 from .handlers_basic import (DictHandler, FlatShardHandler, ListHandler, ObjectHandler, ShardHandler,
                              StatefulHandler, TensorHandler, TupleHandler)
 from .handlers_torch import ModuleHandler, OptimizerHandler
@@ -22,6 +23,7 @@ def builtin_registry() -> TypeRegistry:
         registry.register(typ, handler)
     for typ, handler in dist_handlers.handlers():
         registry.register(typ, handler)
+    registry.register_by_name(ENGINE_CLASS, DeepSpeedEngineHandler())
     return registry
 
 

@@ -80,6 +80,8 @@ def write(storage, workers, data_dir: str, rank: int, items: Sequence[Item], blo
             pos = slots[i].offset + len(views[i])
         try:
             storage.write_parts(keys[k], parts).result()
+        except CheckpointError:  # storage errors name the object and the store already (and keep their type)
+            raise
         except Exception as exc:  # noqa: BLE001 - name the file and what it holds
             first = items[members[k][0]] if members[k] else ("", "", None)
             raise CheckpointError(f"writing pack file {keys[k]} ({len(members[k])} chunks, e.g. {first[0]!r}) "

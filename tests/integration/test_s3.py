@@ -321,9 +321,9 @@ def test_flipped_byte_in_object_is_detected(seaweed, bucket):
     state = {"w": torch.randn(16, 16)}
     bcp.save(url, state, storage_options=opts)
     store = _store(url, opts)
-    chunk = next(k for k in store.list() if "/c/" in k or k.endswith("/c"))
+    chunk = next(k for k in store.list() if "/pack/" in k)   # format 5: the rank's pack object
     raw = bytearray(store.get(chunk))
-    raw[len(raw) // 2] ^= 0x10
+    raw[16 * 16 * 4 // 2] ^= 0x10                            # inside the tensor's bytes (offset 0)
     store.put(chunk, bytes(raw))
     with pytest.raises(bcp.CorruptCheckpointError):
         bcp.load(url, {"w": torch.zeros(16, 16)}, storage_options=opts)
