@@ -234,14 +234,57 @@ def _check_fsdp(strategy: FSDPStrategy) -> None:
             "saves the gathered state, every rank loads it into its shards) or ModelParallelStrategy (FSDP2).")
 
 
+ENGINE_KEY = "deepspeed_engine"
+
+
+class _DeepSpeedAdapter(_ShardedSave):
+    """DeepSpeedStrategy's own save/load write DeepSpeed's engine format and never call the plugin.
+    Here every rank saves the engine (its own partition of fp32 master weights, Adam moments, step,
+    bf16/fp16 weights; bytecheckpoint's DeepSpeed support) with the rest of Lightning's checkpoint
+    dict; a load restores the engine in place, on any number of processes and ZeRO stage, and
+    returns the rest (loops, callbacks, schedulers), as DeepSpeedStrategy.load_checkpoint does."""
+
+    @override
+    def save_checkpoint(self, checkpoint: Dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
+        io: ByteCheckpointIO = self.checkpoint_io
+        path = self.broadcast(str(filepath))
+        if not _state.is_bcp_path(path):
+            raise ValueError(f"DeepSpeedStrategy with ByteCheckpointIO saves to local paths, file://, s3:// or gs://, "
+                             f"not {path!r}")
+        # DeepSpeed's module and optimizer state dicts are this rank's view; the engine holds it all
+        rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        rest[ENGINE_KEY] = self.deepspeed_engine
+        io.save(rest, path, io._options(storage_options), process_group=None)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> Dict[str, Any]:
+        path = self.broadcast(str(checkpoint_path))
+        io: ByteCheckpointIO = self.checkpoint_io
+        if not io.is_bytecheckpoint(path):
+            return super().load_checkpoint(path, weights_only=weights_only)  # DeepSpeed's own directories
+        state: Dict[str, Any] = {key: None for key in io.saved_keys(path)}
+        if ENGINE_KEY not in state:
+            raise ValueError(f"{path} was not saved by DeepSpeedStrategy (no {ENGINE_KEY!r}); load it with the "
+                             f"strategy that saved it, or through LightningModule.load_from_checkpoint")
+        state[ENGINE_KEY] = self.deepspeed_engine
+        state = io.load(path, state, weights_only=weights_only, process_group=None)
+        state.pop(ENGINE_KEY)
+        return state
+
+
+def _check_deepspeed(strategy: DeepSpeedStrategy) -> None:
+    if strategy.config.get("zero_optimization", {}).get("stage", 0) not in (1, 2, 3):
+        raise TypeError("ByteCheckpointIO with DeepSpeedStrategy needs ZeRO stage 1, 2 or 3 (the engine saves each "
+                        "rank's partition); with stage 0 use DDPStrategy, which it supports directly")
+
+
 # Strategy class -> (adapter mixin, check/setup run when the plugin is assigned), or the reason
 # it is refused. Looked up along the strategy's MRO. Strategies not listed (single device, DDP,
 # ddp_spawn and their subclasses) need no adapter.
 ADAPTERS: Dict[type, Union[tuple, str]] = {
     ModelParallelStrategy: (_ShardedLoad, _sharded_model_parallel),
     FSDPStrategy: (_FSDPAdapter, _check_fsdp),
-    DeepSpeedStrategy: "DeepSpeed writes its own checkpoint format (zero_to_fp32 conversion, its own engine "
-                       "state); keep Lightning's default CheckpointIO with DeepSpeedStrategy",
+    DeepSpeedStrategy: (_DeepSpeedAdapter, _check_deepspeed),
 }
 
 

@@ -1,0 +1,152 @@
+"""Lightning's DeepSpeedStrategy (ZeRO-2 and ZeRO-3) with ByteCheckpointIO: a 2-process fit saves
+through ModelCheckpoint (every rank writes its own partition; no DeepSpeed checkpoint files), and
+`trainer.fit(ckpt_path=...)` on ONE process resumes it: the engine's fp32 master weights and Adam
+moments equal DeepSpeed's own full view at save time, bit for bit, and the loops resume at the
+saved step. DeepSpeedStrategy refuses a CPU accelerator: the test-only subclass below runs it on
+CPU with gloo (issue 23's recipe).
+
+Each run is this file executed as a script (Lightning's launcher starts rank 1 by re-running it)."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import torch  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+
+def _cpu_deepspeed_strategy(stage: int):
+    import lightning.pytorch as pl
+    from lightning.fabric.utilities.seed import reset_seed
+    from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
+
+    class CPUDeepSpeed(DeepSpeedStrategy):
+        """DeepSpeedStrategy on CPU (tests only): no CUDA check, no device-index check, and a
+        device rank DeepSpeed accepts."""
+
+        def setup_environment(self) -> None:
+            DDPStrategy.setup_environment(self)
+
+        def setup_distributed(self) -> None:
+            importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None  # no ~60 s JIT build
+            reset_seed()
+            self.set_world_ranks()
+            self._init_deepspeed_distributed()
+
+        def _setup_model_and_optimizer(self, model, optimizer, lr_scheduler=None):
+            import deepspeed
+            engine, opt, _, _ = deepspeed.initialize(
+                args=argparse.Namespace(device_rank=self.local_rank), config=self.config, model=model,
+                model_parameters=filter(lambda p: p.requires_grad, model.parameters()), optimizer=optimizer,
+                lr_scheduler=lr_scheduler, dist_init_required=False)
+            return engine, opt
+
+    del pl
+    return CPUDeepSpeed(stage=stage, process_group_backend="gloo",
+                        config={"zero_allow_untested_optimizer": True, "train_micro_batch_size_per_gpu": 2,
+                                "zero_optimization": {"stage": stage}})
+
+
+def _script(argv: list[str]) -> None:
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_bytecheckpoint import ByteCheckpointIO
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--stage", type=int, default=2)
+    p.add_argument("--max-steps", type=int, required=True)
+    p.add_argument("--resume", action="store_true")
+    args = p.parse_args(argv)
+    run = Path(args.out)
+    torch.set_num_threads(1)
+
+    class Net(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.body = torch.nn.Sequential(torch.nn.Linear(37, 53), torch.nn.LayerNorm(53), torch.nn.GELU(),
+                                            torch.nn.Linear(53, 11))
+
+        def training_step(self, batch, _):
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.body(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    def full_view(trainer) -> dict:
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+        engine = trainer.strategy.deepspeed_engine
+        out = {}
+        for name, prm in engine.module.named_parameters():
+            out[f"{name}.fp32"] = safe_get_full_fp32_param(prm).clone()
+            for key in ("exp_avg", "exp_avg_sq"):
+                out[f"{name}.{key}"] = safe_get_full_optimizer_state(prm, key).clone()
+        return out
+
+    class Oracle(Callback):
+        """DeepSpeed's own full view at each save (collective), and the state a resume starts from."""
+
+        def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+            view = full_view(trainer)
+            if trainer.global_rank == 0:
+                torch.save(view, run / f"oracle_{trainer.global_step}.pt")
+
+        def on_train_start(self, trainer, pl_module):
+            if args.resume:
+                torch.save({"step": trainer.global_step, "view": full_view(trainer)}, run / "resumed.pt")
+
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(64, 37, generator=g), torch.randn(64, 11, generator=g))
+    pl.seed_everything(3 if not args.resume else 99)  # the restart's init must not matter
+    trainer = pl.Trainer(accelerator="cpu", devices=args.devices, strategy=_cpu_deepspeed_strategy(args.stage),
+                         plugins=[ByteCheckpointIO()], max_steps=args.max_steps, logger=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[Oracle(), ModelCheckpoint(dirpath=run / "ckpts", filename="{step}",
+                                                              every_n_train_steps=3, save_top_k=-1)])
+    trainer.fit(Net(), DataLoader(data, batch_size=2), ckpt_path=str(run / "ckpts" / "step=3.ckpt")
+                if args.resume else None)
+
+
+if __name__ == "__main__":
+    _script(sys.argv[1:])
+    sys.exit(0)
+
+# ----------------------------------------------------------------------------------- the tests
+
+import pytest  # noqa: E402
+
+pytest.importorskip("deepspeed")
+pytest.importorskip("lightning")
+
+from test_lightning_ddp import RUN_TIMEOUT_S, run_ddp  # noqa: E402
+
+pytestmark = pytest.mark.timeout(3 * RUN_TIMEOUT_S + 60)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_strategy_saves_every_rank_and_resumes_on_one_process(tmp_path, stage):
+    import bytecheckpoint as bcp
+
+    run_ddp(tmp_path, "--stage", str(stage), "--max-steps", "4", script=__file__, reports=False)
+    ckpt = tmp_path / "ckpts" / "step=3.ckpt"
+    assert bcp.is_checkpoint(str(ckpt)), sorted(p.name for p in (tmp_path / "ckpts").iterdir())
+    files = [f for _, _, fs in os.walk(ckpt) for f in fs]
+    assert len(files) <= 2 * 2 + 1 and not any(f.endswith(".pt") for f in files), files  # no DeepSpeed files
+    run_ddp(tmp_path, "--stage", str(stage), "--max-steps", "5", "--devices", "1", "--resume", script=__file__,
+            reports=False)
+    resumed = torch.load(tmp_path / "resumed.pt", weights_only=False)
+    oracle = torch.load(tmp_path / "oracle_3.pt", weights_only=False)
+    assert resumed["step"] == 3
+    bad = [k for k, v in oracle.items() if not torch.equal(v, resumed["view"][k])]
+    assert not bad, f"differ after the resume on one process: {bad[:5]}"
