@@ -397,7 +397,7 @@ class ByteCheckpointAttachment:
         acc = self._accelerator
         unwrap = _strip_compile if call.route.models_before_hooks else functools.partial(compat.unwrap, acc)
         state: Dict[str, Any] = {_key("model", i): unwrap(call.models[i]) for i in indexes}
-        for j, optimizer in enumerate(call.optimizers):
+        for j, optimizer in enumerate([] if call.route.optimizers_in_models else call.optimizers):
             # AcceleratedOptimizer keeps the real optimizer in `.optimizer`.
             state[_key("optimizer", j)] = getattr(optimizer, "optimizer", optimizer)
         # Plain value, stored per rank: ranks added on scale-up get rank 0's step (Accelerate

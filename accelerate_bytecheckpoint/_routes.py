@@ -10,8 +10,10 @@ A registry keyed by `DistributedType` name that mirrors the branches of Accelera
   so scripts may call `save_state` on the main process alone or on every process.
 * FSDP: models and optimizers are sharded and saved collectively (DCP / FSDP state dicts) before
   the pre-hooks run; the hooks see no weights on save and no models on load.
-* DeepSpeed, Megatron-LM, XLA: refused (their engines checkpoint model, optimizer and scheduler
-  themselves).
+* DEEPSPEED: every process saves and loads collectively, like FSDP: each model is the
+  DeepSpeedEngine, saved from each rank's own ZeRO partition (the engine holds the optimizer);
+  Accelerate's own `engine.save_checkpoint` / `load_checkpoint` do not run (it finds no models).
+* Megatron-LM, XLA: refused (their engines checkpoint model, optimizer and scheduler themselves).
 
 A distributed type this module does not know (a new device backend) takes the default branch,
 as it does in Accelerate's `save_state`. In the default branch, models whose parameters are
@@ -29,19 +31,21 @@ from typing import Any, Iterable, Mapping, Optional
 class Route:
     name: str
     sharded: bool              # state is split over processes: save and load are collective
-    models_before_hooks: bool  # Accelerate handles models before its pre-hooks (FSDP)
+    models_before_hooks: bool  # Accelerate handles models before its pre-hooks (FSDP, DeepSpeed)
     refusal: Optional[str] = None
+    optimizers_in_models: bool = False  # the model (a DeepSpeed engine) saves its optimizer itself
 
 
 PER_PROCESS = Route("replicated (per-process)", sharded=False, models_before_hooks=False)
 TENSOR_PARALLEL = Route("sharded parameters (DTensor)", sharded=True, models_before_hooks=False)
 FSDP = Route("FSDP", sharded=True, models_before_hooks=True)
+DEEPSPEED = Route("DeepSpeed", sharded=True, models_before_hooks=True, optimizers_in_models=True)
 
 
 def _refused(name: str, why: str) -> Route:
     return Route(name, sharded=True, models_before_hooks=True, refusal=(
         f"accelerate_bytecheckpoint.attach: distributed_type={name}: {why} Use no distributed setup, "
-        "MULTI_CPU/MULTI_GPU (DDP) or FSDP (fsdp_version 1 or 2), or do not attach."))
+        "MULTI_CPU/MULTI_GPU (DDP), FSDP (fsdp_version 1 or 2) or DeepSpeed ZeRO 1-3, or do not attach."))
 
 
 _ENGINE_OWNED = "saves models, optimizers and schedulers through its own engine checkpoint; bytecheckpoint cannot take them over."
@@ -49,7 +53,7 @@ _ENGINE_OWNED = "saves models, optimizers and schedulers through its own engine 
 #: DistributedType name -> Route; every other name takes PER_PROCESS (Accelerate's default branch).
 ROUTES: Mapping[str, Route] = MappingProxyType({
     "FSDP": FSDP,
-    "DEEPSPEED": _refused("DEEPSPEED", "DeepSpeed " + _ENGINE_OWNED),
+    "DEEPSPEED": DEEPSPEED,
     "MEGATRON_LM": _refused("MEGATRON_LM", "Megatron-LM " + _ENGINE_OWNED),
     "XLA": _refused("XLA", "XLA/TPU tensors are not supported by bytecheckpoint."),
 })

@@ -348,3 +348,17 @@ def test_diffusers_pattern_hooks_decide_what_bytecheckpoint_saves(patterns: Path
     default = set(os.listdir(patterns / "default"))
     assert {"optimizer.bin", "unet"} <= default and "bytecheckpoint" not in default, default
     assert default & {"model.safetensors", "pytorch_model.bin"}, default  # .bin before accelerate 0.25
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_save_state_on_every_process_resumes_on_1_and_3(tmp_path: Path, stage: int, monkeypatch) -> None:
+    """DeepSpeedPlugin(zero_stage=2 or 3) on 2 CPU processes: save_state on every process writes the
+    engines' own partitions (no DeepSpeed files); load_state on 1 and on 3 processes restores fp32
+    master weights and Adam moments equal to DeepSpeed's own full view at save time."""
+    pytest.importorskip("deepspeed")
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    out = launch(2, "deepspeed_resume.py", "--mode", "save", "--dir", str(tmp_path), "--stage", str(stage))
+    assert "FILES ['bytecheckpoint', 'random_states_0.pkl', 'random_states_1.pkl']" in out, out[-3000:]
+    for n in (1, 3):
+        out = launch(n, "deepspeed_resume.py", "--mode", "load", "--dir", str(tmp_path), "--stage", str(stage))
+        assert f"LOADED OK on {n}" in out, out[-3000:]
