@@ -179,20 +179,24 @@ def _parse_locations(a: Dict[str, Any], shape: Tuple[int, ...], chunks: Tuple[in
                      w: str, table_file: Optional[np.ndarray]) -> Mapping[str, Tuple[int, int, int]]:
     """Version 5: three uint32 per chunk (pack index < len(packs), byte offset), base64 in `at` or
     at value offset `at_at` of the table file."""
-    n = 3 * n_chunks
-    if table_file is not None:
-        expect("at" not in a, w, "both at and at_at")
-        at = check_int(a.get("at_at"), w, 0, len(table_file))
-        expect(at + n <= len(table_file), w, f"at_at {at} + {n} values runs past the table file")
-        table = table_file[at:at + n]
-    else:
-        try:
-            table = crc.decode(a.get("at"), n)
-        except ValueError:
-            raise fail(w, f"at is not a packed table of {n_chunks} chunk locations") from None
+    table = _packed_values(a, "at", 3 * n_chunks, w, table_file, f"{n_chunks} chunk locations")
     expect(n_chunks == 0 or int(np.asarray(table).reshape(-1, 3)[:, 0].max()) < n_packs, w,
            "a chunk location names a pack file the metadata does not list")
     return crc.PackedChecksums(crc.grid_counts(shape, chunks), table, 3)
+
+
+def _packed_values(a: Dict[str, Any], name: str, n: int, w: str, table_file: Optional[np.ndarray], what: str):
+    """`n` uint32 values of an array entry: base64 in `name`, or at value offset `<name>_at` of the
+    table file (version 4+, large tables)."""
+    if table_file is not None:
+        expect(name not in a, w, f"both {name} and {name}_at")
+        at = check_int(a.get(f"{name}_at"), w, 0, len(table_file))
+        expect(at + n <= len(table_file), w, f"{name}_at {at} + {n} values runs past the table file")
+        return table_file[at:at + n]
+    try:
+        return crc.decode(a.get(name), n)
+    except ValueError:
+        raise fail(w, f"{name} is not a packed table of {what}") from None
 
 
 def _parse_packed(a: Dict[str, Any], shape: Tuple[int, ...], chunks: Tuple[int, ...], dtype: str, n_chunks: int,
@@ -202,17 +206,7 @@ def _parse_packed(a: Dict[str, Any], shape: Tuple[int, ...], chunks: Tuple[int, 
     expect("checksums" not in a, w, "version 3+ stores a packed crc32 table, not checksums")
     block = check_int(a.get("block_bytes"), w, 0, 1 << 40)
     per_chunk = blocks_per_chunk(chunks, dtype, block) if block else 1
-    n = n_chunks * per_chunk
-    if table_file is not None:
-        expect("crc32" not in a, w, "both crc32 and crc32_at")
-        at = check_int(a.get("crc32_at"), w, 0, len(table_file))
-        expect(at + n <= len(table_file), w, f"crc32_at {at} + {n} checksums runs past the checksum table")
-        table = table_file[at:at + n]
-    else:
-        try:
-            table = crc.decode(a.get("crc32"), n)
-        except ValueError:
-            raise fail(w, f"crc32 is not a packed table of {n_chunks} x {per_chunk} checksums") from None
+    table = _packed_values(a, "crc32", n_chunks * per_chunk, w, table_file, f"{n_chunks} x {per_chunk} checksums")
     return crc.PackedChecksums(crc.grid_counts(shape, chunks), table, per_chunk if block else 0), block
 
 

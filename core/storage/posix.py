@@ -43,6 +43,15 @@ DATASYNC_BYTES = 1 << 20
 MAX_SINGLE_SYNCS = 256
 
 
+def _consume(bufs: List[memoryview], n: int) -> None:
+    """Drop the first `n` bytes of a scatter/gather list (after a short readv/writev)."""
+    while bufs and n >= len(bufs[0]):
+        n -= len(bufs[0])
+        bufs.pop(0)
+    if bufs and n:
+        bufs[0] = bufs[0][n:]
+
+
 class _LazyRead(Request):
     def __init__(self, fn):
         self._fn = fn
@@ -121,11 +130,7 @@ class PosixStorage(Storage):
                 while bufs:  # writev may write less than asked (> 2 GiB, signals): go on where it stopped
                     n = os.writev(fd, bufs[:_IOV_MAX])
                     total += n
-                    while bufs and n >= len(bufs[0]):
-                        n -= len(bufs[0])
-                        bufs.pop(0)
-                    if bufs and n:
-                        bufs[0] = bufs[0][n:]
+                    _consume(bufs, n)
                 if total >= DATASYNC_BYTES:
                     os.fdatasync(fd)
                     return Done()
@@ -189,11 +194,7 @@ class PosixStorage(Storage):
                     if n == 0:
                         break
                     got, pos = got + n, pos + n
-                    while bufs and n >= len(bufs[0]):
-                        n -= len(bufs[0])
-                        bufs.pop(0)
-                    if bufs and n:
-                        bufs[0] = bufs[0][n:]
+                    _consume(bufs, n)
             finally:
                 os.close(fd)
             if got != want:
