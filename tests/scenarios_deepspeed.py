@@ -143,3 +143,27 @@ def load_into_plain_model(path: str, oracle: str) -> None:
         if not torch.equal(whole[name][what], want):
             raise AssertionError(f"{key}: load_full differs from DeepSpeed's view")
     print("PLAIN OK", flush=True)
+
+
+def load_vs_universal(path: str, stage: int, universal: str) -> None:
+    """This world size: a bytecheckpoint load and DeepSpeed's own way to change the world size
+    (ds_to_universal, then load_checkpoint with load_universal) give the same engine: same full
+    view (fp32 master weights, Adam moments), same step counter, and one more step gives the
+    same parameters."""
+    _init()
+    ours = _engine(stage, seed=123)
+    bcp.load(path, {"engine": ours, "note": None})
+    import deepspeed
+    torch.manual_seed(321)
+    model = torch.nn.Sequential(torch.nn.Linear(37, 53), torch.nn.LayerNorm(53), torch.nn.GELU(),
+                                torch.nn.Linear(53, 11))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    config = dict(ours.config)
+    config["checkpoint"] = {"load_universal": True}
+    theirs, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+    theirs.load_checkpoint(universal, tag="t")
+    _same(_full(theirs), _full(ours), "bytecheckpoint load vs DeepSpeed's universal load")
+    _step(ours, 2)
+    _step(theirs, 2)
+    _same(_module_params(theirs), _module_params(ours), "the next step after each")
+    print(f"rank {dist.get_rank()}: UNIVERSAL MATCH on {dist.get_world_size()}", flush=True)

@@ -56,3 +56,22 @@ def test_bf16_zero2_resumes_on_3(tmp_path):
     path, oracle, _ = _save(tmp_path, 2, bf16=True)
     run_ranks("scenarios_deepspeed:load", 3, {"path": path, "stage": 2, "oracle": oracle, "bf16": True},
               timeout=240, extra_env=ENV)
+
+
+@pytest.mark.timeout(600)
+def test_resume_on_1_and_3_matches_ds_to_universal(tmp_path):
+    """DeepSpeed's offline route to another world size (ds_to_universal + load_universal) and a
+    bytecheckpoint load give the same engine on 1 and 3 processes, and the same next step."""
+    import subprocess
+    import sys
+    path, oracle, ds_dir = _save(tmp_path, 2, with_ds=True)
+    universal = tmp_path / "universal"
+    subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                    os.path.join(ds_dir, "t"), "--output_folder", str(universal / "t"), "--inject_missing_state"],
+                   check=True, capture_output=True, env=dict(os.environ, **ENV), timeout=240)
+    (universal / "latest").write_text("t")
+    for world in (1, 3):
+        outs = run_ranks("scenarios_deepspeed:load_vs_universal", world, {"path": path, "stage": 2,
+                                                                          "universal": str(universal)},
+                         timeout=240, extra_env=ENV)
+        assert all("UNIVERSAL MATCH" in o for o in outs), world
