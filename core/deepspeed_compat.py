@@ -26,6 +26,7 @@ from .shards import FlatShard
 TESTED = "0.19.8"
 PARAM_GROUPS_KEY = "__param_groups__"
 ENGINE_KEY = "__engine__"
+MODULE_KEY = "__module__"   # buffers and frozen parameters: whole on every rank (not partitioned)
 
 
 class DeepSpeedCompatError(CheckpointError):
@@ -177,7 +178,7 @@ def _hyper(group: Dict[str, Any]) -> Dict[str, Any]:
     return {k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items() if k != "params"}
 
 
-def flat_state(engine, *, with_lp: Optional[bool] = None) -> Dict[str, Any]:
+def flat_state(engine, *, with_lp: Optional[bool] = None, for_save: bool = False) -> Dict[str, Any]:
     """Views of this rank's part of every trainable parameter's training state.
 
     with_lp: include the low-precision module weights (default: only when they are not fp32).
@@ -234,10 +235,30 @@ def flat_state(engine, *, with_lp: Optional[bool] = None) -> Dict[str, Any]:
     missing = [n for n, p in engine.module.named_parameters() if p.requires_grad and n not in out]
     if missing:
         raise _unsupported(f"trainable parameters the optimizer does not hold ({missing[:5]})")
+    out[MODULE_KEY] = _replicated_module_state(engine, kind, for_save)
     out[PARAM_GROUPS_KEY] = [_hyper(g) for g in inner.param_groups]
     out[ENGINE_KEY] = {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
                        "skipped_steps": engine.skipped_steps}
     return out
+
+
+def _replicated_module_state(engine, kind: str, for_save: bool) -> Dict[str, Any]:
+    """The module's persistent buffers (e.g. BatchNorm statistics) and frozen parameters: DeepSpeed
+    does not partition them under ZeRO-1/2 (nor buffers under ZeRO-3), every rank holds them whole,
+    and they may differ between ranks (BatchNorm statistics of each rank's data). As DeepSpeed's own
+    checkpoint does, rank 0's copy is saved (a FlatShard of all of it there, empty elsewhere), and
+    every rank loads it whole."""
+    module = engine.module
+    skip = {f"{m}.{b}" if m else b for m, sub in module.named_modules() for b in sub._non_persistent_buffers_set}
+    out = {n: b for n, b in module.named_buffers() if n not in skip}
+    frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
+    if frozen and kind == "z3":
+        raise _unsupported(f"frozen parameters under ZeRO-3 ({[n for n, _ in frozen][:5]})")
+    out.update({n: p.data for n, p in frozen})
+    if not for_save:
+        return out
+    first = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    return {n: FlatShard(t if first else t.reshape(-1)[:0], tuple(t.shape), 0) for n, t in out.items()}
 
 
 # --------------------------------------------------------------------------------------------

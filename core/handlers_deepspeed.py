@@ -14,7 +14,7 @@ ENGINE_CLASS = "deepspeed.runtime.engine.DeepSpeedEngine"
 class DeepSpeedEngineHandler(Handler):
     def save(self, value, key, walk):
         from . import deepspeed_compat
-        return walk.save(deepspeed_compat.flat_state(value), key)
+        return walk.save(deepspeed_compat.flat_state(value, for_save=True), key)
 
     def load(self, value, key, walk, assign):
         from . import deepspeed_compat

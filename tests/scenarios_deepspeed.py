@@ -26,11 +26,19 @@ def _init():
     torch.set_num_threads(1)
 
 
+def _model(bf16: bool = False) -> torch.nn.Module:
+    """Odd sizes, a LayerNorm, and (fp32) a BatchNorm whose running statistics (buffers, different
+    on each rank) training changes; DeepSpeed's bf16 mode casts the module, which BatchNorm's
+    fp32 statistics do not follow."""
+    norm = [] if bf16 else [torch.nn.BatchNorm1d(53)]
+    return torch.nn.Sequential(torch.nn.Linear(37, 53), torch.nn.LayerNorm(53), torch.nn.GELU(), *norm,
+                               torch.nn.Linear(53, 11))
+
+
 def _engine(stage: int, seed: int = 0, bf16: bool = False):
     import deepspeed
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(37, 53), torch.nn.LayerNorm(53), torch.nn.GELU(),
-                                torch.nn.Linear(53, 11))
+    model = _model(bf16)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
     config = {"train_micro_batch_size_per_gpu": 12 // dist.get_world_size() if dist.get_world_size() in (1, 2, 3)
               else 1, "gradient_accumulation_steps": 1, "zero_optimization": {"stage": stage},
@@ -62,6 +70,10 @@ def _full(engine) -> dict:
             out[f"{name}.{key}"] = safe_get_full_optimizer_state(p, key).clone()
     out["step"] = engine.global_steps
     return out
+
+
+def _buffers(engine) -> dict:
+    return {n: b.detach().clone() for n, b in engine.module.named_buffers()}
 
 
 def _module_params(engine) -> dict:
@@ -100,10 +112,11 @@ def save(path: str, stage: int, oracle: str, bf16: bool = False, ds_dir: str = "
     if ds_dir:
         engine.save_checkpoint(ds_dir, tag="t")
     full = _full(engine)
+    buffers = _buffers(engine)
     _step(engine, 2, bf16)
     after = _module_params(engine)
     if dist.get_rank() == 0:
-        torch.save({"full": full, "after": after}, oracle)
+        torch.save({"full": full, "after": after, "buffers": buffers}, oracle)
     print(f"rank {dist.get_rank()}: SAVED stage {stage}", flush=True)
 
 
@@ -118,6 +131,7 @@ def load(path: str, stage: int, oracle: str, bf16: bool = False, next_step: bool
     bcp.load(path, state)
     got = _full(engine)
     _same(ref["full"], got, f"stage {stage} on {dist.get_world_size()} ranks vs DeepSpeed's view at save")
+    _same(ref["buffers"], _buffers(engine), "module buffers (BatchNorm statistics)")
     if state["note"] != "deepspeed":
         raise AssertionError(state["note"])
     if next_step:
@@ -155,8 +169,7 @@ def load_vs_universal(path: str, stage: int, universal: str) -> None:
     bcp.load(path, {"engine": ours, "note": None})
     import deepspeed
     torch.manual_seed(321)
-    model = torch.nn.Sequential(torch.nn.Linear(37, 53), torch.nn.LayerNorm(53), torch.nn.GELU(),
-                                torch.nn.Linear(53, 11))
+    model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
     config = dict(ours.config)
     config["checkpoint"] = {"load_universal": True}
