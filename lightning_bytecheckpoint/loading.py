@@ -28,7 +28,25 @@ def read_checkpoint(path: _PATH, map_location: Any = None, weights_only: Optiona
     from .checkpoint_io import ByteCheckpointIO, _to_device
 
     io = ByteCheckpointIO(checkpointer, restore_rng=False)  # reading starts no save: nothing to tear down
-    return _to_device(io.read(path, weights_only=weights_only), map_location)
+    checkpoint = io.read(path, weights_only=weights_only)
+    if "state_dict" not in checkpoint and isinstance(checkpoint.get(DEEPSPEED_ENGINE_KEY), dict):
+        checkpoint["state_dict"] = deepspeed_state_dict(checkpoint[DEEPSPEED_ENGINE_KEY])
+    return _to_device(checkpoint, map_location)
+
+
+DEEPSPEED_ENGINE_KEY = "deepspeed_engine"  # what DeepSpeedStrategy saves through ByteCheckpointIO
+
+
+def deepspeed_state_dict(engine: dict) -> dict:
+    """The LightningModule's state dict from a DeepSpeed engine saved by DeepSpeedStrategy (the
+    engine wraps the LightningModule itself): each parameter in the module's precision at save
+    time (its bf16/fp16 copy where one was saved, else the fp32 master weights), and the buffers."""
+    state_dict = {}
+    for name, entry in engine.items():
+        if not name.startswith("__") and isinstance(entry, dict) and "fp32" in entry:
+            state_dict[name] = entry.get("lp", entry["fp32"])
+    state_dict.update(engine.get("__module__", {}))
+    return state_dict
 
 
 def is_checkpoint_dir(path: Any) -> bool:

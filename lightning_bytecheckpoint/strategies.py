@@ -234,7 +234,7 @@ def _check_fsdp(strategy: FSDPStrategy) -> None:
             "saves the gathered state, every rank loads it into its shards) or ModelParallelStrategy (FSDP2).")
 
 
-ENGINE_KEY = "deepspeed_engine"
+ENGINE_KEY = "deepspeed_engine"  # loading.DEEPSPEED_ENGINE_KEY: load_from_checkpoint rebuilds state_dict from it
 
 
 class _DeepSpeedAdapter(_ShardedSave):

@@ -67,6 +67,7 @@ def _script(argv: list[str]) -> None:
     p.add_argument("--stage", type=int, default=2)
     p.add_argument("--max-steps", type=int, required=True)
     p.add_argument("--resume", action="store_true")
+    p.add_argument("--load-from", default=None, help="no Trainer: Net.load_from_checkpoint(this) vs the oracle")
     args = p.parse_args(argv)
     run = Path(args.out)
     torch.set_num_threads(1)
@@ -105,6 +106,14 @@ def _script(argv: list[str]) -> None:
         def on_train_start(self, trainer, pl_module):
             if args.resume:
                 torch.save({"step": trainer.global_step, "view": full_view(trainer)}, run / "resumed.pt")
+
+    if args.load_from:  # one plain process: the weights for inference, no DeepSpeed engine
+        model = Net.load_from_checkpoint(args.load_from)
+        oracle = torch.load(run / "oracle_3.pt", weights_only=False)
+        bad = [n for n, prm in model.named_parameters() if not torch.equal(prm.detach(), oracle[f"{n}.fp32"])]
+        assert not bad and oracle, f"load_from_checkpoint differs from the saved fp32 weights: {bad[:5]}"
+        print("LOAD_FROM_CHECKPOINT_OK", flush=True)
+        return
 
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(64, 37, generator=g), torch.randn(64, 11, generator=g))
@@ -150,3 +159,11 @@ def test_deepspeed_strategy_saves_every_rank_and_resumes_on_one_process(tmp_path
     assert resumed["step"] == 3
     bad = [k for k, v in oracle.items() if not torch.equal(v, resumed["view"][k])]
     assert not bad, f"differ after the resume on one process: {bad[:5]}"
+    if stage == 2:
+        import subprocess
+        import sys
+        out = subprocess.run([sys.executable, __file__, "--out", str(tmp_path), "--max-steps", "0",
+                              "--load-from", str(ckpt)],
+                             capture_output=True, text=True, timeout=RUN_TIMEOUT_S, cwd=str(HERE),
+                             env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+        assert "LOAD_FROM_CHECKPOINT_OK" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
