@@ -351,3 +351,40 @@ def s3_replicated(url: str, opts: dict, mib: int, reps: int):
     for e in engines.values():
         e.close()
     emit(kind="s3_replicated", world=world, total_bytes=state_bytes(state), results=results, bytes_read=stats)
+
+
+def s3_real_model(url: str, opts: dict, blocks: int, reps: int):
+    """The Llama-shaped model of bench_real_model.py, FSDP2 on every rank, with AdamW state, on the
+    object store: bcp save/load against the same bytes as 16 MiB PUTs/GETs (the store's floor),
+    and the objects one save writes."""
+    from bench_real_model import model_and_optim
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    rank, world = rank_world()
+    model, optim = model_and_optim(blocks, fsdp=True)
+    msd, osd = get_state_dict(model, optim)
+    tensors = [v for v in msd.values() if isinstance(v, torch.Tensor)]
+    tensors += [t for s in osd["state"].values() for t in s.values() if isinstance(t, torch.Tensor)]
+    local = [(t.to_local() if isinstance(t, DTensor) else t).detach().contiguous() for t in tensors]
+    flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in local])
+    pieces = [memoryview(p.numpy()).cast("B") for p in flat.split(16 << 20)]
+    ckpt = bcp.Checkpointer(storage_options=opts)
+    state = {"model": model, "optim": optim}
+    results: Dict[str, List[float]] = {"bcp_save": [], "bcp_load": [], "raw_put": [], "raw_get": [], "objects": []}
+    for rep in range(reps):
+        store = ckpt.storage(f"{url}/raw_real_{rep}")
+        keys = [f"rank{rank}/{i}" for i in range(len(pieces))]
+        put = lambda: [r.result() for r in [store.write(k, p) for k, p in zip(keys, pieces)]]  # noqa: E731
+        results["raw_put"].append(timed(put))
+        results["raw_get"].append(timed(lambda: [r.result() for r in [store.read(k) for k in keys]]))
+        path = f"{url}/real_{rep}"
+        results["bcp_save"].append(timed(lambda: ckpt.save(path, state)))
+        if rank == 0:
+            results["objects"].append(len(ckpt.storage(path).list()))
+        results["bcp_load"].append(timed(lambda: ckpt.load(path, state)))
+        barrier()
+        if rank == 0:
+            ckpt.delete(path)
+    total = torch.tensor([flat.numel()], dtype=torch.int64)
+    dist.all_reduce(total)
+    ckpt.close()
+    emit(kind="s3_real", world=world, total_bytes=int(total.item()), results=results)

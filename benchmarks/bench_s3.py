@@ -58,6 +58,9 @@ def main(argv=None) -> int:
             main_run = bench_line(run_ranks("bench_ranks:s3_save_load", 2, common, timeout=timeout, extra_env=env))
             rep = bench_line(run_ranks("bench_ranks:s3_replicated", 2, dict(common, mib=mib // 2), timeout=timeout,
                                        extra_env=env))
+            real = bench_line(run_ranks("bench_ranks:s3_real_model", 2,
+                                        {"url": "s3://bench", "opts": s3.storage_options, "reps": reps,
+                                         "blocks": 8 if args.quick else 24}, timeout=timeout, extra_env=env))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     size = main_run["total_bytes"] / 2**20
@@ -82,9 +85,19 @@ def main(argv=None) -> int:
            note=f"bytes read on/off: {rep['bytes_read']['on'] / 2**20:.0f}/{rep['bytes_read']['off'] / 2**20:.0f} MiB")
     figure("object store, replicated load 2 ranks: zero_redundancy='auto'", rr["auto"], rr["off"],
            peer_name="zero-redundancy off")
+    rm = {k: med(v) for k, v in real["results"].items()}
+    real_mib = real["total_bytes"] / 2**20
+    print(f"\nreal-model shapes, FSDP2 over 2 ranks: {real_mib:.0f} MiB; " +
+          ", ".join(f"{k} {v:.2f}" for k, v in rm.items()))
+    figure("object store, real-model shapes, 2 ranks: save", real_mib / rm["bcp_save"], real_mib / rm["raw_put"],
+           ">= 0.9", unit="MiB/s", peer_name=floor)
+    figure("object store, real-model shapes, 2 ranks: load", real_mib / rm["bcp_load"], real_mib / rm["raw_get"],
+           ">= 0.9", unit="MiB/s", peer_name=floor)
+    figure("object store, real-model shapes, 2 ranks: objects (PUTs) per save", rm["objects"], 2 * 4 + 4, "<= 1",
+           unit="objects", peer_name="ranks x io_threads + 4")
     os.makedirs(os.path.dirname(args.json), exist_ok=True)
     with open(args.json, "w") as f:
-        json.dump({"main": main_run, "replicated": rep}, f, indent=1)
+        json.dump({"main": main_run, "replicated": rep, "real_model": real}, f, indent=1)
     return 0
 
 
