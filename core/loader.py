@@ -95,15 +95,17 @@ def read_chunks(store: Storage, workers: Workers, md: Metadata, needs: Needs, st
     def finish(ref, read) -> int:  # I/O, checksum and copy release the GIL: run on the worker pool
         return read.finish(f"{what} {ref[0]!r}", dtypes.to_torch(md.arrays[ref[0]].dtype))
 
-    def read_run(run: packs.Run) -> int:
-        views = [chunks.uint8_view(dest) for _, (_, dest) in run.members]
-        chunks.wait_for(store.read_range_into(run.key, run.start, packs.scatter_list(run, views)), run.key, what)
+    def finish_run(run: packs.Run, views, request) -> int:
+        chunks.wait_for(request, run.key, what)
         for (_, (ref, _)), view in zip(run.members, views):
             chunks.check(view, md.arrays[ref[0]], ref[1], f"{what} {ref[0]!r}")
         return sum(len(v) for v in views)
 
-    runs = packs.plan_runs(located)
-    for nbytes in workers.map(read_run, runs):
+    runs = []  # every request started at once (object stores: all in flight; local files: run lazily by a worker)
+    for run in packs.plan_runs(located):
+        views = [chunks.uint8_view(dest) for _, (_, dest) in run.members]
+        runs.append((run, views, store.read_range_into(run.key, run.start, packs.scatter_list(run, views))))
+    for nbytes in workers.map(finish_run, runs):
         stats.bytes_read += nbytes
         stats.reads += 1
     for nbytes in workers.map(finish, started):

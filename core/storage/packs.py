@@ -101,7 +101,8 @@ def write(storage, workers, data_dir: str, rank: int, items: Sequence[Item], blo
 # ---------------------------------------------------------------------- reading
 
 RUN_GAP_BYTES = 64 << 10          # chunks closer than this in one pack are read by one request
-RUN_MAX_BYTES = 64 << 20          # ... up to this much, so that the runs spread over the workers
+RUN_MAX_BYTES = 16 << 20          # ... up to this much: the runs spread over the workers (and, on an
+                                  # object store, are GETs of the size that reach its floor, bench_s3)
 
 
 @dataclass
