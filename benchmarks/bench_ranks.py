@@ -290,6 +290,14 @@ def _s3fs_kwargs(opts):
             "client_kwargs": {"endpoint_url": opts["endpoint"], "region_name": "us-east-1"}}
 
 
+def _time_floor(store, rank: int, pieces, results: Dict[str, List[float]]) -> None:
+    """The store's floor: the same bytes as 16 MiB objects through the same client, all in flight,
+    no checkpoint logic (raw_put, raw_get)."""
+    keys = [f"rank{rank}/{i}" for i in range(len(pieces))]
+    results["raw_put"].append(timed(lambda: [r.result() for r in [store.write(k, p) for k, p in zip(keys, pieces)]]))
+    results["raw_get"].append(timed(lambda: [r.result() for r in [store.read(k) for k in keys]]))
+
+
 def s3_save_load(url: str, opts: dict, mib: int, reps: int):
     """FSDP state on the object store: bcp save/load vs DCP + fsspec/s3fs, interleaved."""
     rank, world = rank_world()
@@ -306,12 +314,7 @@ def s3_save_load(url: str, opts: dict, mib: int, reps: int):
     local = [(v.to_local() if isinstance(v, DTensor) else v).contiguous() for v in state.values()]
     pieces = [memoryview(p.numpy()).cast("B") for t in local for p in t.view(-1).split(4 << 20)]  # 16 MiB fp32
     for rep in range(reps):
-        # the floor: the same bytes as 16 MiB objects through the same client, no checkpoint logic
-        store = ckpt.storage(f"{url}/raw_{rep}")
-        keys = [f"rank{rank}/{i}" for i in range(len(pieces))]
-        put = lambda: [r.result() for r in [store.write(k, p) for k, p in zip(keys, pieces)]]  # noqa: E731
-        results["raw_put"].append(timed(put))
-        results["raw_get"].append(timed(lambda: [r.result() for r in [store.read(k) for k in keys]]))
+        _time_floor(ckpt.storage(f"{url}/raw_{rep}"), rank, pieces, results)
         path = f"{url}/bcp_{rep}"
         results["bcp_save"].append(timed(lambda: ckpt.save(path, state)))
         tgt = zeros_like_state(state)
@@ -371,11 +374,7 @@ def s3_real_model(url: str, opts: dict, blocks: int, reps: int):
     state = {"model": model, "optim": optim}
     results: Dict[str, List[float]] = {"bcp_save": [], "bcp_load": [], "raw_put": [], "raw_get": [], "objects": []}
     for rep in range(reps):
-        store = ckpt.storage(f"{url}/raw_real_{rep}")
-        keys = [f"rank{rank}/{i}" for i in range(len(pieces))]
-        put = lambda: [r.result() for r in [store.write(k, p) for k, p in zip(keys, pieces)]]  # noqa: E731
-        results["raw_put"].append(timed(put))
-        results["raw_get"].append(timed(lambda: [r.result() for r in [store.read(k) for k in keys]]))
+        _time_floor(ckpt.storage(f"{url}/raw_real_{rep}"), rank, pieces, results)
         path = f"{url}/real_{rep}"
         results["bcp_save"].append(timed(lambda: ckpt.save(path, state)))
         if rank == 0:

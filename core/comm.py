@@ -109,11 +109,11 @@ class Comm:
     def broadcast(self, obj: Any, src: Optional[int] = None) -> Any:
         if not self.enabled or self.world_size == 1:
             return obj
+        root = self.coordinator if src is None else src
         if self.watch is not None:
-            return self._bounded_all_gather(obj if self.rank == (self.coordinator if src is None else src) else None)[
-                self.coordinator if src is None else src]
+            return self._bounded_all_gather(obj if self.rank == root else None)[root]
         box = [obj]
-        dist.broadcast_object_list(box, src=self._global(self.coordinator if src is None else src), group=self.group)
+        dist.broadcast_object_list(box, src=self._global(root), group=self.group)
         return box[0]
 
     def scatter(self, objs: Optional[Sequence[Any]]) -> Any:

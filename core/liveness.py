@@ -16,7 +16,8 @@ from .errors import PeerTimeoutError
 
 class PeerWatch:
     """Heartbeats of one group's ranks in `store` under `prefix`. `ranks`: the global rank of each
-    group rank (for messages). `beating()` is a context: the heartbeat runs while any job holds it."""
+    group rank (for messages). The heartbeat runs between hold() and the matching release(), while any
+job holds it."""
 
     def __init__(self, store: Any, prefix: str, rank: int, ranks: Sequence[int], dead_peer_s: float):
         self.store, self.prefix, self.rank, self.ranks = store, prefix, rank, list(ranks)

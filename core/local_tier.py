@@ -139,7 +139,6 @@ class TierState:
 
     def __init__(self, tier: LocalTier, timeout_s: float, dead_peer_s: float):
         self.tier, self.timeout_s, self.dead_peer_s = tier, timeout_s, dead_peer_s
-        self._groups: Dict[Any, Any] = {}
         self._comms: Dict[Any, Comm] = {}
         self._broken: Dict[Any, str] = {}
         self._nodes: Dict[Any, List[Hashable]] = {}
@@ -165,10 +164,9 @@ class TierState:
             ranks = dist.get_process_group_ranks(comm.group) if comm.group is not None else list(
                 range(comm.world_size))
             group = dist.new_group(ranks=ranks, backend="gloo", timeout=datetime.timedelta(seconds=self.timeout_s))
-            name = getattr(group, "group_name", None) or str(len(self._groups))
+            name = getattr(group, "group_name", None) or str(len(self._comms))
             watch = PeerWatch(torch_compat.default_store(), f"bytecheckpoint/tier/{self.tier.job}/{name}", comm.rank,
                               ranks, self.dead_peer_s)
-            self._groups[comm.key] = group
             self._comms[comm.key] = Comm(group, watch=watch, timeout_s=self.timeout_s)
         return self._comms[comm.key]
 
@@ -182,12 +180,13 @@ class TierState:
         return PosixStorage(f"local tier {root}", root + "/")
 
     def close(self) -> None:
-        for g in self._groups.values():
+        for c in self._comms.values():
+            if c.group is None:
+                continue
             try:
-                dist.destroy_process_group(g)
+                dist.destroy_process_group(c.group)
             except (RuntimeError, ValueError):  # the default group may already be gone
                 pass
-        self._groups.clear()
         self._comms.clear()
 
 

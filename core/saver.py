@@ -160,7 +160,7 @@ def write_local(store: Storage, workers: Workers, data_dir: str, local: LocalPla
     returns the object file entry, the block crc32s and the pack location of every chunk it wrote."""
     arrays = {p: commit.rooted(a, data_dir) for p, a in local.arrays.items()}
     items = [(w.array, chunks.chunk_name(index), payload) for w, t in zip(local.writes, data)
-             for index, _, payload in chunks.encode_box(arrays[w.array], w.array_offsets, t)]
+             for index, payload in chunks.encode_box(arrays[w.array], w.array_offsets, t)]
     obj_path = f"{data_dir}/objects/rank_{rank}.json"
     store.prepare([obj_path])
     checksums, locations = packs.write(store, workers, data_dir, rank, items, chunks.block_checksums,

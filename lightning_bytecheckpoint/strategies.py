@@ -97,10 +97,7 @@ class _ShardedSave(Strategy):
     @override
     def save_checkpoint(self, checkpoint: Dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
         io: ByteCheckpointIO = self.checkpoint_io
-        path = self.broadcast(str(filepath))
-        if not _state.is_bcp_path(path):
-            raise ValueError(f"{type(self).__name__} with ByteCheckpointIO saves to local paths, file://, s3:// or "
-                             f"gs://, not {path!r}")
+        path = self._save_path(filepath)
         options = io._options(storage_options)
         if not self._saves_parts():  # gathered state ("full"): rank 0 holds it whole and saves it alone
             if self.is_global_zero:
@@ -110,6 +107,14 @@ class _ShardedSave(Strategy):
         checkpoint["optimizer_states"] = [_state.names_to_positions(s) if _state.keyed_by_names(s) else s
                                           for s in checkpoint.get("optimizer_states", [])]
         io.save(checkpoint, path, options, process_group=None)  # every rank of the default group
+
+    def _save_path(self, filepath: _PATH) -> str:
+        """Rank 0's path on every rank; refused unless the engine stores there."""
+        path = self.broadcast(str(filepath))
+        if not _state.is_bcp_path(path):
+            raise ValueError(f"{type(self).__name__} with ByteCheckpointIO saves to local paths, file://, s3:// or "
+                             f"gs://, not {path!r}")
+        return path
 
     def _saves_parts(self) -> bool:
         return True
@@ -247,10 +252,7 @@ class _DeepSpeedAdapter(_ShardedSave):
     @override
     def save_checkpoint(self, checkpoint: Dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
         io: ByteCheckpointIO = self.checkpoint_io
-        path = self.broadcast(str(filepath))
-        if not _state.is_bcp_path(path):
-            raise ValueError(f"DeepSpeedStrategy with ByteCheckpointIO saves to local paths, file://, s3:// or gs://, "
-                             f"not {path!r}")
+        path = self._save_path(filepath)
         # DeepSpeed's module and optimizer state dicts are this rank's view; the engine holds it all
         rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         rest[ENGINE_KEY] = self.deepspeed_engine

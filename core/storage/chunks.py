@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -100,56 +99,10 @@ def _bits(t: torch.Tensor) -> np.ndarray:
     return t.view(_NO_NUMPY[t.dtype]).numpy() if t.dtype in _NO_NUMPY else t.numpy()
 
 
-def zarr_json_key(meta: ArrayMeta) -> str:
-    return f"{meta.path}/zarr.json"
-
-
-def write_zarr_json(storage, meta: ArrayMeta):
-    """Start writing the array's zarr.json (so tensorstore and zarr tools can open it)."""
-    import json
-    from .specs import zarr_json
-    return storage.write(zarr_json_key(meta), memoryview(json.dumps(zarr_json(meta), sort_keys=True).encode()))
-
-
-@dataclass
-class PendingWrite:
-    futures: List[Tuple[str, object]] = field(default_factory=list)
-    checksums: Dict[str, Tuple[int, ...]] = field(default_factory=dict)
-    nbytes: int = 0
-    started: List[Tuple[str, str, object]] = field(default_factory=list)  # (chunk name, key, result iterator)
-
-    def finish(self, what: str) -> Dict[str, Tuple[int, ...]]:
-        # writes run on the workers meanwhile: the caller starts every array's writes before waiting
-        for name, key, results in self.started:
-            try:
-                nbytes, crc, fut = next(results)
-            except Exception as exc:  # noqa: BLE001 - name the tensor and the chunk
-                raise CheckpointError(f"writing {what} ({key}) failed: {exc}") from exc
-            self.checksums[name] = crc
-            self.nbytes += nbytes
-            self.futures.append((key, fut))
-        self.started.clear()
-        for key, fut in self.futures:
-            try:
-                fut.result()
-            except Exception as exc:  # noqa: BLE001 - name the tensor and the chunk
-                raise CheckpointError(f"writing {what} ({key}) failed: {exc}") from exc
-        return self.checksums
-
-
-def _write_one(storage, key: str, payload: np.ndarray) -> Tuple[int, Tuple[int, ...], object]:
-    """On a worker thread: block crc32s and write over the same memory (no copy of a contiguous
-    payload)."""
-    data = memoryview(np.ascontiguousarray(payload)).cast("B")
-    return len(data), block_checksums(data, BLOCK_BYTES), storage.write(key, data)
-
-
-Encoded = List[Tuple[Tuple[int, ...], str, np.ndarray]]  # (chunk index, key, payload)
-
-
-def encode_box(meta: ArrayMeta, array_offsets: Sequence[int], data: torch.Tensor) -> Encoded:
-    """Every chunk of the box at `array_offsets` (whole chunks only), as bytes to write (no copy
-    unless an edge chunk is padded)."""
+def encode_box(meta: ArrayMeta, array_offsets: Sequence[int], data: torch.Tensor
+               ) -> List[Tuple[Tuple[int, ...], np.ndarray]]:
+    """(chunk index, payload) of every chunk of the box at `array_offsets` (whole chunks only), as
+    bytes to write (no copy unless an edge chunk is padded)."""
     box = (tuple(array_offsets), tuple(data.shape))
     bits = _bits(data.detach().cpu() if data.is_cuda else data.detach())
     encoded = []
@@ -166,15 +119,7 @@ def encode_box(meta: ArrayMeta, array_offsets: Sequence[int], data: torch.Tensor
         encoded.append((index, payload))
     if not box[1]:  # 0-d array: a single chunk
         encoded.append(((), bits))
-    return [(index, chunk_key(meta.path, index), payload) for index, payload in encoded]
-
-
-def start_write(storage, workers, encoded: Encoded, pending: Optional[PendingWrite] = None) -> PendingWrite:
-    """Start writing encoded chunks on the workers; `pending.finish` waits for them."""
-    pending = pending or PendingWrite()
-    results = workers.map(lambda k, p: _write_one(storage, k, p), [(key, p) for _, key, p in encoded])
-    pending.started.extend((chunk_name(index), key, results) for index, key, _ in encoded)
-    return pending
+    return encoded
 
 
 ChunkRef = Tuple[str, Tuple[int, ...]]  # (array path, chunk index)
@@ -333,7 +278,7 @@ class ChunkRead:
             self.req = _read_whole_chunk(storage, meta, index)
             return
         if len(parts) == 1 and spans[0][2] and _flat_cpu(parts[0][1]):
-            dest = _uint8_view(parts[0][1])
+            dest = uint8_view(parts[0][1])
             head = memoryview(bytearray(lo - self.start))
             tail = memoryview(bytearray(self.stop - hi))
             self.bufs = [b for b in (head, dest, tail) if len(b)]
@@ -354,7 +299,7 @@ class ChunkRead:
             copy_parts(chunk_tensor(raw, self.meta, dtype), self.index, self.meta, self.parts)
             self.raw = as_uint8(raw)
             return len(raw)
-        _wait(self.req, self.key, what)
+        wait_for(self.req, self.key, what)
         check_range(self.bufs, self.start, self.meta, self.index, what)
         if self.buffer is not None:
             copy_parts(chunk_tensor(self.buffer, self.meta, dtype), self.index, self.meta, self.parts)
@@ -376,16 +321,9 @@ def uint8_view(t: torch.Tensor) -> memoryview:
     return memoryview(as_uint8_view(t).numpy()).cast("B")
 
 
-_uint8_view = uint8_view
-
-
 def wait_for(request, key: str, what: str):
     """A request's result; a failed read is a CheckpointError naming `key`, a missing object a
     CorruptCheckpointError."""
-    return _wait(request, key, what)
-
-
-def _wait(request, key: str, what: str):
     try:
         got = request.result()
     except CorruptCheckpointError:
@@ -412,7 +350,7 @@ def lands_whole(meta: ArrayMeta, parts) -> bool:
 
 
 def start_read_into(storage, meta: ArrayMeta, index: Sequence[int], dest: torch.Tensor):
-    view = _uint8_view(dest)  # a view: dest is contiguous (0-d tensors too)
+    view = uint8_view(dest)  # a view: dest is contiguous (0-d tensors too)
     key, offset = chunk_location(meta, index)
     if offset is None:
         return storage.read_into(key, view), view
@@ -420,14 +358,14 @@ def start_read_into(storage, meta: ArrayMeta, index: Sequence[int], dest: torch.
 
 
 def finish_read_into(request, view: memoryview, meta: ArrayMeta, index: Sequence[int], what: str) -> int:
-    _wait(request, describe_chunk(meta, index), what)
+    wait_for(request, describe_chunk(meta, index), what)
     check(view, meta, index, what)
     return len(view)
 
 
 def chunk_bytes(fut, meta: ArrayMeta, index: Sequence[int], what: str, verify: bool = True) -> bytes:
     """Wait for one whole-chunk read and check it."""
-    value = _wait(fut, describe_chunk(meta, index), what)
+    value = wait_for(fut, describe_chunk(meta, index), what)
     if verify:
         check(value, meta, index, what)
     return value

@@ -106,27 +106,16 @@ class PosixStorage(Storage):
             return open(path, "wb")
 
     def write(self, key: str, data: memoryview) -> Request:
-        path = self._path(key)
-        try:
-            with self._open_new(path) as f:
-                f.write(data)
-                if len(data) >= DATASYNC_BYTES:
-                    f.flush()
-                    os.fdatasync(f.fileno())
-                    return Done()
-        except OSError as exc:
-            return Done(error=exc)
-        with self._dirs_lock:
-            self._unsynced.add(path)
-        return Done()
+        return self.write_parts(key, [data])
 
     def write_parts(self, key: str, parts: Sequence[memoryview]) -> Request:
-        """A pack file: the parts written in place with writev (no join), then fdatasync'ed."""
+        """The parts written in place, back to back, with writev (no join); a file of
+        DATASYNC_BYTES or more is fdatasync'ed now, a smaller one by sync()."""
         path = self._path(key)
         try:
             with self._open_new(path) as f:
                 fd, total = f.fileno(), 0
-                bufs = [p for p in parts if len(p)]
+                bufs = [v for v in (memoryview(p).cast("B") for p in parts) if len(v)]  # bytes, whatever the format
                 while bufs:  # writev may write less than asked (> 2 GiB, signals): go on where it stopped
                     n = os.writev(fd, bufs[:_IOV_MAX])
                     total += n

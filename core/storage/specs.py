@@ -266,15 +266,6 @@ def _bytes_codec(dtype: str) -> Dict[str, Any]:
     return {"name": "bytes", "configuration": {"endian": "little"}}
 
 
-def zarr_json(array: ArrayMeta) -> Dict[str, Any]:
-    """The zarr.json of an array (what tensorstore's zarr3 driver writes, minus its I/O)."""
-    meta = zarr_spec({"driver": "memory"}, array)["metadata"]
-    fill = meta["fill_value"]
-    if array.dtype not in ("bool",) and not array.dtype.startswith(("int", "uint", "complex")):
-        fill = 0.0
-    return {"zarr_format": 3, "node_type": "array", **meta, "fill_value": fill}
-
-
 def _fill_value(dtype: str) -> Any:
     if dtype == "bool":
         return False
