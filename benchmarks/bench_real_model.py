@@ -189,6 +189,44 @@ def fsdp_worker(rank: int, world: int, port: int, root: str, blocks: int, repeat
         dist.destroy_process_group()
 
 
+def ddp_worker(rank: int, world: int, port: int, root: str, blocks: int, repeats: int, result: str) -> None:
+    """Fabric / Trainer DDP: every rank holds the whole (replicated) state. Rank 0 saves it alone (what
+    the frameworks call, with ByteCheckpointIO or torch.save) against every rank writing its balanced
+    share of the same bytes (the engine's dedup, process_group=None)."""
+    import bytecheckpoint as bcp
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        model, optim = model_and_optim(blocks)
+        state = {"model": model.state_dict(), "optim": optim.state_dict()}
+        ckpt = bcp.Checkpointer()
+        out: Dict[str, List[float]] = {"rank0": [], "every": [], "torch": []}
+
+        def torch_save(p):
+            if rank == 0:
+                with open(p, "wb") as f:
+                    torch.save(state, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+
+        for i in range(repeats):
+            a, b, t = f"{root}/ddp_r0_{i}", f"{root}/ddp_all_{i}", f"{root}/ddp_{i}.pt"
+            out["rank0"].append(timed(lambda: ckpt.save(a, state, process_group=bcp.LOCAL) if rank == 0 else None))
+            out["every"].append(timed(lambda: ckpt.save(b, state)))
+            out["torch"].append(timed(lambda: torch_save(t)))
+            sync_all()
+            if rank == 0:
+                fresh(a), fresh(b)
+                os.remove(t)
+        ckpt.close()
+        if rank == 0:
+            torch.save(out, result)
+    finally:
+        dist.destroy_process_group()
+
+
 def median(xs: List[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
@@ -225,6 +263,11 @@ def main() -> None:
         two = torch.load(result)
         print({k: [round(x, 3) for x in v] for k, v in two.items()}, flush=True)
 
+        result = os.path.join(root, "ddp.pt")
+        mp.spawn(ddp_worker, args=(2, port + 1, root, args.blocks, args.repeats, result), nprocs=2, join=True)
+        ddp = torch.load(result)
+        print({k: [round(x, 3) for x in v] for k, v in ddp.items()}, flush=True)
+
         b = f"{args.blocks} blocks"
         figure(f"real model, 1 process: files per save ({b})", median(one["bcp_files"]), 8, "<= 1",
                unit="files", peer_name="target 8 per rank", note=f"DCP wrote {median(one['dcp_files']):.0f}")
@@ -242,6 +285,9 @@ def main() -> None:
                "<= 1.5", peer_name="torch.load + load_state_dict")
         figure(f"real model, FSDP2 2 ranks: save vs DCP ({b})", median(two["bcp_save"]), median(two["dcp_save"]),
                "<= 0.6", peer_name="DCP save (fsync)")
+        figure(f"real model, DDP 2 ranks: every rank writes its share vs rank 0 alone ({b})", median(ddp["every"]),
+               median(ddp["rank0"]), "measured", peer_name="rank 0 alone (what Fabric/Trainer DDP call)",
+               note=f"torch.save + fsync on rank 0: {median(ddp['torch']):.3f} s")
         figure(f"real model, FSDP2 2 ranks: load vs DCP ({b})", median(two["bcp_load"]), median(two["dcp_load"]),
                "<= 0.6", peer_name="DCP load + set_state_dict")
     finally:

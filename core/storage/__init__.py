@@ -9,9 +9,9 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, Mapping, Optional
 
 from .base import Done, Request, Storage
-from .specs import context_spec, kvstore_spec, split_common_options, split_url, zarr_spec
+from .specs import context_spec, kvstore_spec, split_common_options, split_url
 
-__all__ = ["Storage", "Request", "Done", "open_storage", "kvstore_spec", "zarr_spec", "context_spec", "split_url"]
+__all__ = ["Storage", "Request", "Done", "open_storage", "kvstore_spec", "context_spec", "split_url"]
 
 
 def _open_file(url: str, opts: Dict[str, Any], env: "StorageEnv", timeout: Optional[float]) -> Storage:

@@ -1,10 +1,12 @@
-"""Chunk-level tensor I/O through the Storage interface, in the zarr v3 on-disk layout.
+"""Chunk-level tensor I/O through the Storage interface: chunk bytes, where they live, checksums.
 
-Each array is a zarr v3 array (zarr.json as tensorstore's zarr3 driver writes it, "bytes" codec,
-little-endian, default chunk key encoding `c/i/j/...`), so tensorstore and zarr tools open it
-directly. The hot paths, though, move whole chunks through the storage themselves: measured on
-this project's benchmark, reading through the zarr3 driver (decode + copy into a fresh array +
-crc32c codec) was 4-8x slower than a kvstore read plus one copy into the target tensor.
+A chunk's bytes are a C-order little-endian run of its elements (zarr v3's "bytes" codec). Format
+5 stores them inside a rank's pack files (packs.py; `chunk_location` gives pack and offset);
+formats 1-4 stored each chunk as its own object, at zarr v3's default chunk key `c/i/j/...` of a
+zarr array, which these readers still open. The hot paths move whole chunks (or the checksum
+blocks a read needs) through the storage themselves: measured on this project's benchmark,
+reading through tensorstore's zarr3 driver (decode + copy into a fresh array + crc32c codec) was
+4-8x slower than a kvstore read plus one copy into the target tensor.
 
 Checksums (format 2): the zlib crc32 of every BLOCK_BYTES-long block of a chunk is recorded in
 the global metadata, so a load that needs only part of a chunk (a resharding boundary) reads just

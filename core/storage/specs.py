@@ -12,7 +12,6 @@ import os
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 from ..errors import CheckpointError
-from ..metadata import ArrayMeta
 
 # Options a user may pass for s3:// paths (storage_options), all optional.
 _S3_OPTIONS = {
@@ -239,36 +238,3 @@ def context_spec(io_concurrency: int = 32, copy_concurrency: int = 4) -> Dict[st
         "s3_request_retries": dict(RETRY_DEFAULTS),
         "gcs_request_retries": dict(RETRY_DEFAULTS),
     }
-
-
-def zarr_spec(kvstore: Mapping[str, Any], array: ArrayMeta) -> Dict[str, Any]:
-    """A zarr v3 array with crc32c on every chunk; `kvstore` is the checkpoint root."""
-    base = dict(kvstore)
-    base["path"] = base.get("path", "") + array.path + "/"
-    return {
-        "driver": "zarr3",
-        "kvstore": base,
-        "metadata": {
-            "shape": list(array.shape),
-            "data_type": array.dtype,
-            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(array.chunks)}},
-            "chunk_key_encoding": {"name": "default"},
-            "fill_value": _fill_value(array.dtype),
-            # checksums live in metadata.json (one crc32 per chunk), not in a crc32c codec: see chunks.py
-            "codecs": [_bytes_codec(array.dtype)],
-        },
-    }
-
-
-def _bytes_codec(dtype: str) -> Dict[str, Any]:
-    if dtype in ("bool", "uint8", "int8") or dtype.startswith("float8"):
-        return {"name": "bytes"}
-    return {"name": "bytes", "configuration": {"endian": "little"}}
-
-
-def _fill_value(dtype: str) -> Any:
-    if dtype == "bool":
-        return False
-    if dtype.startswith("complex"):
-        return [0.0, 0.0]
-    return 0

@@ -103,8 +103,10 @@ def run_ddp(out: Path, *args: str, script: str = __file__, nprocs: int = 2, repo
 
 
 if __name__ == "__main__":
+    from _leave import leave
+
     _script(sys.argv[1:])
-    sys.exit(0)
+    leave(0)
 
 # ----------------------------------------------------------------------------------- the tests
 

@@ -93,8 +93,10 @@ def _script(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    from _leave import leave
+
     _script(sys.argv[1:])
-    sys.exit(0)
+    leave(0)
 
 # ----------------------------------------------------------------------------------- the tests
 

@@ -68,4 +68,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from _leave import leave
+
     main()
+    leave(0)

@@ -199,5 +199,8 @@ def resume(out: str) -> None:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from _leave import leave
+
     {"save": save, "resume": resume}[sys.argv[1]](sys.argv[2])
-    sys.exit(0)
+    leave(0)

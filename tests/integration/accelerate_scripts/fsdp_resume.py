@@ -127,4 +127,7 @@ def main_only_save_of_sharded_state(accelerator, directory: str) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from _leave import leave
+
+    leave(main() or 0)

@@ -180,10 +180,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    code = main()   # every save was waited for and its results written above
-    # Seen once under full-suite load: interpreter finalization deadlocked in torch's gloo teardown
-    # (main thread joining a gloo runloop thread that waited for the GIL), after end_training and
-    # with no bytecheckpoint frame on any stack. Leave without finalization.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from _leave import leave
+
+    leave(main())  # every save was waited for and its results written above
