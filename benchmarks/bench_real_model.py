@@ -286,7 +286,7 @@ def main() -> None:
         figure(f"real model, FSDP2 2 ranks: save vs DCP ({b})", median(two["bcp_save"]), median(two["dcp_save"]),
                "<= 0.6", peer_name="DCP save (fsync)")
         figure(f"real model, DDP 2 ranks: every rank writes its share vs rank 0 alone ({b})", median(ddp["every"]),
-               median(ddp["rank0"]), "measured", peer_name="rank 0 alone (what Fabric/Trainer DDP call)",
+               median(ddp["rank0"]), "", peer_name="rank 0 alone (what Fabric/Trainer DDP call)",
                note=f"torch.save + fsync on rank 0: {median(ddp['torch']):.3f} s")
         figure(f"real model, FSDP2 2 ranks: load vs DCP ({b})", median(two["bcp_load"]), median(two["dcp_load"]),
                "<= 0.6", peer_name="DCP load + set_state_dict")

@@ -186,7 +186,7 @@ def test_automatic_naming_total_limit_remove_legacy_and_node_local_dirs(tmp_path
     import bytecheckpoint as bcp
 
     # two single-process "nodes", so that save_on_each_node / node-local directories are real
-    outs = launch_nodes(2, "auto_naming.py", str(tmp_path / "project"))
+    outs = launch_nodes(2, "auto_naming.py", str(tmp_path / "project"), timeout=240)  # many saves: slow under load
     assert "AUTO_NAMING_OK" in outs[0] and "NODE_LOCAL_OK" in outs[0], outs[0][-4000:]
     assert bcp.is_checkpoint(str(tmp_path / "project" / "last" / "bytecheckpoint")), "end_training did not wait"
 
