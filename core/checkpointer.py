@@ -186,8 +186,8 @@ class Checkpointer:
                 if beat is not None:
                     beat.stop()
                 pool.release(slot)
-                if not self._closed:  # pre-fault the other slot for the next save, after this job
-                    self._runner.submit(lambda wait_turn: (wait_turn(), pool.warm(slot)))
+            if not self._closed:  # pre-fault the other slot before this save counts as done, so a save
+                pool.warm(slot)   # right after wait() copies into warm pages (a no-op once both slots are)
 
         handle._future = self._runner.submit(run)
         handle.stats["stall_s"] = time.perf_counter() - t0

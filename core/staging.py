@@ -71,19 +71,22 @@ class StagingPool:
 
     def warm(self, like: Slot) -> None:
         """Give every idle slot buffers shaped like `like`'s (called in the background after a
-        write), so the next save's copy lands in pre-faulted memory instead of fresh pages."""
+        write), so the next save's copy lands in pre-faulted memory instead of fresh pages. The
+        buffers are allocated and faulted without holding the slot: a save that wants it meanwhile
+        takes it at once (and stages into buffers of its own), instead of waiting for the warm-up."""
         for slot in self._slots:
+            if slot is like:
+                continue
+            fresh: Dict[BufferKey, torch.Tensor] = {}
+            for key, buf in list(like.buffers.items()):
+                have = slot.buffers.get(key)
+                if have is None or have.shape != buf.shape or have.dtype != buf.dtype:
+                    fresh[key] = _new_buffer(buf)
+            if not fresh:
+                continue
             with self._cond:
-                if slot is like or slot.busy:
-                    continue
-                slot.busy = True
-            try:
-                for key, buf in list(like.buffers.items()):
-                    have = slot.buffers.get(key)
-                    if have is None or have.shape != buf.shape or have.dtype != buf.dtype:
-                        slot.buffers[key] = _new_buffer(buf)
-            finally:
-                self.release(slot)
+                if not slot.busy:  # else a save took the slot meanwhile: its own buffers win
+                    slot.buffers.update(fresh)
 
     def _side_stream(self):
         if self._stream is None:
