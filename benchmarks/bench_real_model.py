@@ -19,6 +19,7 @@ Page cache is not dropped between a save and its load (a resume on the same node
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import statistics
@@ -96,6 +97,14 @@ def sync_all() -> None:
         dist.barrier()
 
 
+def torch_save_fsynced(obj, path: str) -> None:
+    """The durable torch.save peer: the file is fsynced before it counts as saved."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def timed(fn: Callable[[], object]) -> float:
     sync_all()
     t0 = time.perf_counter()
@@ -132,10 +141,7 @@ def run_case(root: str, blocks: int, repeats: int, fsdp: bool) -> Dict[str, List
         set_state_dict(model, optim, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
 
     def torch_save(p):
-        with open(p, "wb") as f:
-            torch.save({"model": model.state_dict(), "optim": optim.state_dict()}, f)
-            f.flush()
-            os.fsync(f.fileno())
+        torch_save_fsynced({"model": model.state_dict(), "optim": optim.state_dict()}, p)
 
     def torch_load(p):
         sd = torch.load(p, weights_only=True)
@@ -177,16 +183,23 @@ def files_only(root: str, blocks: int) -> int:
     return n
 
 
-def fsdp_worker(rank: int, world: int, port: int, root: str, blocks: int, repeats: int, result: str) -> None:
+@contextlib.contextmanager
+def process_group(rank: int, world: int, port: int):
+    """One spawned rank's gloo process group, destroyed on the way out."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def fsdp_worker(rank: int, world: int, port: int, root: str, blocks: int, repeats: int, result: str) -> None:
+    with process_group(rank, world, port):
         out = run_case(root, blocks, repeats, fsdp=True)
         if rank == 0:
             torch.save(out, result)
-    finally:
-        dist.destroy_process_group()
 
 
 def ddp_worker(rank: int, world: int, port: int, root: str, blocks: int, repeats: int, result: str) -> None:
@@ -195,10 +208,7 @@ def ddp_worker(rank: int, world: int, port: int, root: str, blocks: int, repeats
     share of the same bytes (the engine's dedup, process_group=None)."""
     import bytecheckpoint as bcp
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
+    with process_group(rank, world, port):
         model, optim = model_and_optim(blocks)
         state = {"model": model.state_dict(), "optim": optim.state_dict()}
         ckpt = bcp.Checkpointer()
@@ -206,10 +216,7 @@ def ddp_worker(rank: int, world: int, port: int, root: str, blocks: int, repeats
 
         def torch_save(p):
             if rank == 0:
-                with open(p, "wb") as f:
-                    torch.save(state, f)
-                    f.flush()
-                    os.fsync(f.fileno())
+                torch_save_fsynced(state, p)
 
         for i in range(repeats):
             a, b, t = f"{root}/ddp_r0_{i}", f"{root}/ddp_all_{i}", f"{root}/ddp_{i}.pt"
@@ -223,8 +230,6 @@ def ddp_worker(rank: int, world: int, port: int, root: str, blocks: int, repeats
         ckpt.close()
         if rank == 0:
             torch.save(out, result)
-    finally:
-        dist.destroy_process_group()
 
 
 def median(xs: List[float]) -> float:

@@ -18,10 +18,15 @@ import bytecheckpoint as bcp  # noqa: E402
 KEYS = ("fp32", "exp_avg", "exp_avg_sq")
 
 
+def skip_shm_build() -> None:
+    """Before DeepSpeed's init: its CPU accelerator JIT-builds a shared-memory allreduce op there
+    (~60 s with g++); gloo needs none. (`import deepspeed.comm.torch as m` would give torch itself.)"""
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+
+
 def _init():
     import deepspeed
-    # the CPU accelerator JIT-builds a shared-memory allreduce op at init (~60 s); gloo needs none
-    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    skip_shm_build()
     deepspeed.init_distributed(dist_backend="gloo")
     torch.set_num_threads(1)
 
@@ -60,16 +65,21 @@ def _step(engine, step: int, bf16: bool = False) -> None:
     engine.step()
 
 
-def _full(engine) -> dict:
-    """DeepSpeed's own view of the training state (collective)."""
+def full_view(engine) -> dict:
+    """DeepSpeed's own full view of the fp32 master weights and Adam moments (collective): the
+    oracle of every DeepSpeed test (also the Lightning and Accelerate ones)."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
     out = {}
     for name, p in engine.module.named_parameters():
         out[f"{name}.fp32"] = safe_get_full_fp32_param(p).clone()
         for key in KEYS[1:]:
             out[f"{name}.{key}"] = safe_get_full_optimizer_state(p, key).clone()
-    out["step"] = engine.global_steps
     return out
+
+
+def _full(engine) -> dict:
+    """DeepSpeed's own view of the training state, with the step."""
+    return {**full_view(engine), "step": engine.global_steps}
 
 
 def _buffers(engine) -> dict:

@@ -9,7 +9,6 @@ Each run is this file executed as a script (Lightning's launcher starts rank 1 b
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
 from pathlib import Path
@@ -19,7 +18,9 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import torch  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+sys.path[:0] = [str(HERE), str(HERE.parent)]  # tests/: the DeepSpeed scenarios' oracle and set-up
+
+from scenarios_deepspeed import full_view, skip_shm_build  # noqa: E402
 
 
 def _cpu_deepspeed_strategy(stage: int):
@@ -35,7 +36,7 @@ def _cpu_deepspeed_strategy(stage: int):
             DDPStrategy.setup_environment(self)
 
         def setup_distributed(self) -> None:
-            importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None  # no ~60 s JIT build
+            skip_shm_build()
             reset_seed()
             self.set_world_ranks()
             self._init_deepspeed_distributed()
@@ -85,27 +86,18 @@ def _script(argv: list[str]) -> None:
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
-    def full_view(trainer) -> dict:
-        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-        engine = trainer.strategy.deepspeed_engine
-        out = {}
-        for name, prm in engine.module.named_parameters():
-            out[f"{name}.fp32"] = safe_get_full_fp32_param(prm).clone()
-            for key in ("exp_avg", "exp_avg_sq"):
-                out[f"{name}.{key}"] = safe_get_full_optimizer_state(prm, key).clone()
-        return out
-
     class Oracle(Callback):
         """DeepSpeed's own full view at each save (collective), and the state a resume starts from."""
 
         def on_save_checkpoint(self, trainer, pl_module, checkpoint):
-            view = full_view(trainer)
+            view = full_view(trainer.strategy.deepspeed_engine)
             if trainer.global_rank == 0:
                 torch.save(view, run / f"oracle_{trainer.global_step}.pt")
 
         def on_train_start(self, trainer, pl_module):
             if args.resume:
-                torch.save({"step": trainer.global_step, "view": full_view(trainer)}, run / "resumed.pt")
+                view = full_view(trainer.strategy.deepspeed_engine)
+                torch.save({"step": trainer.global_step, "view": view}, run / "resumed.pt")
 
     if args.load_from:  # one plain process: the weights for inference, no DeepSpeed engine
         model = Net.load_from_checkpoint(args.load_from)

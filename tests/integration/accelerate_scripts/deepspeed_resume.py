@@ -3,7 +3,6 @@ processes and calls save_state on every process (DeepSpeed's calling contract); 
 builds a fresh engine (another seed) on M processes, load_state, and checks the engine's fp32
 master weights and Adam moments against DeepSpeed's own full view at save time, bit for bit."""
 import argparse
-import importlib
 import os
 import sys
 
@@ -15,15 +14,8 @@ from accelerate.utils import InitProcessGroupKwargs  # noqa: E402
 
 from accelerate_bytecheckpoint import attach  # noqa: E402
 
-
-def full_view(engine) -> dict:
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-    out = {}
-    for name, p in engine.module.named_parameters():
-        out[f"{name}.fp32"] = safe_get_full_fp32_param(p).clone()
-        for key in ("exp_avg", "exp_avg_sq"):
-            out[f"{name}.{key}"] = safe_get_full_optimizer_state(p, key).clone()
-    return out
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # tests/
+from scenarios_deepspeed import full_view, skip_shm_build  # noqa: E402  full_view: DeepSpeed's own, the oracle
 
 
 def main() -> None:
@@ -32,7 +24,7 @@ def main() -> None:
     p.add_argument("--dir", required=True)
     p.add_argument("--stage", type=int, default=2)
     args = p.parse_args()
-    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None  # no ~60 s JIT build
+    skip_shm_build()
     torch.set_num_threads(1)
     plugin = DeepSpeedPlugin(zero_stage=args.stage)
     plugin.deepspeed_config.update({"zero_allow_untested_optimizer": True, "train_micro_batch_size_per_gpu": 2})
