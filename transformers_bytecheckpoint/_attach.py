@@ -1,0 +1,426 @@
+"""Route ``transformers.Trainer`` checkpoints through bytecheckpoint.
+
+Mechanism (docs/transformers.md has the whole story):
+
+* Methods are wrapped on the *instance* (entries in ``trainer.__dict__``; the class and other
+  Trainers are untouched; ``remove()`` restores them). Private ones are named in _compat.py only.
+* Saving: the stock ``_save_checkpoint`` runs as always (folder ``checkpoint-<step>``, best
+  checkpoint tracking, stateful callbacks, ``trainer_state.json``), except that inside it
+  ``save_model`` writes the model's config, processing class and ``training_args.bin`` but no
+  weights, the optimizer/scheduler/scaler/RNG savers only record that the stock Trainer would save
+  those parts, its rotation is held back and a Hub push is deferred. Then the adapter saves the
+  parts through bytecheckpoint into ``checkpoint-<step>/bytecheckpoint`` (commit point last,
+  after the Trainer's files, which are made durable first), async when asked, and rotates.
+* Resuming: ``resume_from_checkpoint=True`` picks the newest *committed* folder. A folder written
+  with the adapter is loaded right after ``accelerator.prepare`` (model or DeepSpeed engine,
+  optimizer, scheduler, scaler: in place, any process count and layout) and its RNG states where
+  the stock Trainer reads its RNG files. A folder the stock Trainer wrote is loaded by the stock
+  code, so a run can switch to the adapter mid-way.
+* ``enable_jit_checkpoint``: the checkpoint on SIGTERM is saved synchronously (committed and
+  durable when the Trainer stops), after any pending async save.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import os
+from typing import Any, Callable, Dict, List, Optional
+
+import bytecheckpoint as bcp
+from bytecheckpoint.comm import Comm
+from bytecheckpoint.flatten import top_level_placeholders
+
+from . import _compat as compat
+from . import _folders as folders
+from . import _rng as rng
+from . import _routes as routes
+from ._model_files import write_model_files
+
+logger = logging.getLogger(__name__)
+
+_ATTACHMENT_ATTR = "_bytecheckpoint_attachment"
+_WRAPPED = ("train", "_save_checkpoint", "save_model", "_save_optimizer_and_scheduler", "_save_scaler",
+            "_save_rng_state", "_push_from_checkpoint", "_load_from_checkpoint", "_prepare_for_training",
+            "_load_rng_state", "_load_best_model", "_finalize_training")
+_MISSING = object()
+
+
+@dataclasses.dataclass
+class _SaveCall:
+    """One `_save_checkpoint` in progress: what the stock method asked to be saved."""
+    output_dir: Optional[str] = None
+    optimizer: bool = False
+    scaler: bool = False
+    rng: bool = False
+    push: Optional[str] = None
+
+
+class TrainerAttachment:
+    """Handle returned by :func:`attach`. ``remove()`` restores the Trainer's own checkpointing."""
+
+    def __init__(self, trainer: Any, checkpointer: "bcp.Checkpointer", *, owns_checkpointer: bool,
+                 async_save: Optional[bool], storage_options: Optional[dict]) -> None:
+        self._trainer = trainer
+        self._ckpt = checkpointer
+        self._owns = owns_checkpointer
+        self._async = checkpointer.options.async_save if async_save is None else bool(async_save)
+        self._storage: Dict[str, Any] = {}
+        if storage_options is not None and not owns_checkpointer:
+            self._storage["storage_options"] = storage_options
+        self._call: Optional[_SaveCall] = None
+        self._sync_reason: Optional[str] = None   # "JIT checkpoint": this save is synchronous
+        self._resumed: Optional[Dict[str, Any]] = None  # {"path", "trainer"} of the last bytecheckpoint resume
+        self._active = False
+        self._previous: Dict[Any, Any] = {}
+        self.last_save: Dict[str, float] = {}
+
+    # ------------------------------------------------------------------ public
+    @property
+    def trainer(self) -> Any:
+        return self._trainer
+
+    @property
+    def checkpointer(self) -> "bcp.Checkpointer":
+        return self._ckpt
+
+    @property
+    def active(self) -> bool:
+        return self._active
+
+    @property
+    def async_save(self) -> bool:
+        return self._async
+
+    @property
+    def pending(self) -> List[str]:
+        """Targets of async saves still being written (the checkpointer's pending saves)."""
+        return self._ckpt.pending_paths()
+
+    def wait(self) -> None:
+        """Block until every async save of the checkpointer is committed; re-raises a failure."""
+        self._ckpt.wait()
+
+    def remove(self) -> None:
+        """Wait for pending saves, restore the Trainer's own methods (and close the checkpointer
+        if the attachment built it)."""
+        if not self._active:
+            return
+        try:
+            self.wait()
+        finally:
+            self._uninstall()
+            if self._owns:
+                self._ckpt.close()
+
+    def __enter__(self) -> "TrainerAttachment":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        return f"TrainerAttachment(active={self._active}, async_save={self._async}, pending={len(self.pending)})"
+
+    # ------------------------------------------------------------------ install
+    def _install(self) -> None:
+        tr = self._trainer
+        for name in _WRAPPED:
+            self._previous[name] = tr.__dict__.get(name, _MISSING)
+            original = compat.method(tr, name)
+            wrapper = getattr(self, f"_w{name}" if name.startswith("_") else f"_w_{name}")
+            tr.__dict__[name] = functools.wraps(original)(functools.partial(wrapper, original))
+        for manager in compat.jit_managers(tr):
+            self._previous[manager] = manager.__dict__.get("execute_jit_checkpoint", _MISSING)
+            original = manager.execute_jit_checkpoint
+            manager.__dict__["execute_jit_checkpoint"] = functools.wraps(original)(
+                functools.partial(self._w_jit, original))
+        setattr(tr, _ATTACHMENT_ATTR, self)
+        self._active = True
+
+    def _uninstall(self) -> None:
+        self._active = False
+        tr = self._trainer
+        for owner, previous in self._previous.items():
+            obj, name = (tr, owner) if isinstance(owner, str) else (owner, "execute_jit_checkpoint")
+            current = obj.__dict__.get(name)
+            if getattr(getattr(current, "func", None), "__self__", None) is not self:
+                continue  # wrapped again after attach: ours is a pass-through now (not active)
+            if previous is _MISSING:
+                del obj.__dict__[name]
+            else:
+                obj.__dict__[name] = previous
+        self._previous.clear()
+        if tr.__dict__.get(_ATTACHMENT_ATTR) is self:
+            delattr(tr, _ATTACHMENT_ATTR)
+
+    # ------------------------------------------------------------------ saving
+    def _w_save_checkpoint(self, original: Callable, model: Any, trial: Any = None) -> None:
+        if not self._active or self._call is not None:
+            return original(model, trial)
+        tr, args = self._trainer, self._trainer.args
+        route = routes.route_for(tr)
+        call = self._call = _SaveCall()
+        limit, args.save_total_limit = args.save_total_limit, None  # rotation runs after the save, below
+        try:
+            original(model, trial)
+        finally:
+            args.save_total_limit = limit
+            self._call = None
+        if call.output_dir is None:
+            raise compat.TransformersCompatError(
+                f"transformers_bytecheckpoint: Trainer._save_checkpoint no longer calls save_model (transformers "
+                f"{compat.version()}, tested {compat.TESTED}); nothing was saved through bytecheckpoint.")
+        self._save(route, call, trial)
+
+    def _save(self, route: routes.Route, call: _SaveCall, trial: Any) -> None:
+        import time
+
+        tr, args = self._trainer, self._trainer.args
+        output_dir = call.output_dir
+        sync = self._sync_reason is not None
+        if sync:
+            self._ckpt.wait()  # a pending async save commits first
+        if args.should_save:
+            _make_durable(output_dir, (folders.TRAINER_STATE,))  # before the commit point
+        t0 = time.perf_counter()
+        state = self._state(route, call)
+        writes = route.collective or args.should_save
+        if writes:
+            group = {} if route.collective else {"process_group": bcp.LOCAL}
+            handle = self._ckpt.save(folders.subdir(output_dir), state, overwrite=True, step=int(tr.state.global_step),
+                                     async_save=False if sync else self._async, **group, **self._storage)
+            self.last_save = dict(handle.stats, returned_s=time.perf_counter() - t0)
+            logger.info("bytecheckpoint: checkpoint %s to %s", "saved" if sync or not self._async else "saving",
+                        folders.subdir(output_dir))
+            if call.push is not None:
+                handle.wait()  # push a committed folder
+        if call.push is not None:
+            compat.method(tr, "_push_from_checkpoint")(call.push)
+        if args.should_save:
+            folders.rotate(self._ckpt, compat.output_dir(tr, trial), args.save_total_limit,
+                           tr.state.best_model_checkpoint, self._storage)
+
+    def _state(self, route: routes.Route, call: _SaveCall) -> Dict[str, Any]:
+        tr, args = self._trainer, self._trainer.args
+        state: Dict[str, Any] = {route.model_key: _model(tr, route)}
+        if call.optimizer:
+            if not route.optimizer_in_model:
+                state["optimizer"] = getattr(tr.optimizer, "optimizer", tr.optimizer)
+            if tr.lr_scheduler is not None:
+                state["scheduler"] = getattr(tr.lr_scheduler, "scheduler", tr.lr_scheduler)
+        scaler = getattr(tr.accelerator, "scaler", None)
+        if call.scaler and scaler is not None:
+            state["scaler"] = scaler
+        info: Dict[str, Any] = {"global_step": int(tr.state.global_step), "world_size": int(args.world_size)}
+        if call.rng:
+            own = rng.capture(distributed=args.world_size > 1)
+            if route.collective:
+                info["rng"] = own
+            else:
+                info["rng_per_rank"] = self._comm("save").all_gather(own)
+        state["trainer"] = info
+        return state
+
+    def _comm(self, what: str) -> Comm:
+        """The default group, every wait bounded by the checkpointer's timeout_s."""
+        comm = Comm(self._ckpt.process_group)
+        comm.arrive(self._ckpt.options.timeout_s, f"Trainer checkpoint {what} (collective: every process calls it)")
+        return comm
+
+    # stock savers, inside a checkpoint: record, write nothing (the parts go through bytecheckpoint)
+    def _w_save_model(self, original: Callable, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
+        call = self._call
+        if not self._active or call is None or not _internal_call:
+            return original(output_dir, _internal_call)
+        call.output_dir = os.fspath(output_dir)
+        write_model_files(self._trainer, call.output_dir)
+
+    def _w_save_optimizer_and_scheduler(self, original: Callable, output_dir: str) -> None:
+        if not self._active or self._call is None:
+            return original(output_dir)
+        self._call.optimizer = True
+
+    def _w_save_scaler(self, original: Callable, output_dir: str) -> None:
+        if not self._active or self._call is None:
+            return original(output_dir)
+        self._call.scaler = True
+
+    def _w_save_rng_state(self, original: Callable, output_dir: str) -> None:
+        if not self._active or self._call is None:
+            return original(output_dir)
+        self._call.rng = True
+        os.makedirs(output_dir, exist_ok=True)  # as the stock method does, on every process
+
+    def _w_push_from_checkpoint(self, original: Callable, checkpoint_folder: str) -> None:
+        if not self._active or self._call is None:
+            return original(checkpoint_folder)
+        self._call.push = checkpoint_folder  # after the bytecheckpoint part is committed
+
+    def _w_jit(self, original: Callable) -> None:
+        if not self._active:
+            return original()
+        self._sync_reason = "JIT checkpoint"
+        try:
+            return original()
+        finally:
+            self._sync_reason = None
+
+    # ------------------------------------------------------------------ resuming
+    def _w_train(self, original: Callable, resume_from_checkpoint: Any = None, trial: Any = None,
+                 ignore_keys_for_eval: Any = None, **kwargs: Any) -> Any:
+        if self._active:
+            self._ckpt.wait()
+            if resume_from_checkpoint is True:
+                resume_from_checkpoint = self._newest(self._trainer.args.output_dir)
+        return original(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
+
+    def _newest(self, run_dir: str) -> str:
+        find = functools.partial(folders.newest_committed, self._ckpt, run_dir, self._storage)
+        comm = self._comm("resume") if _world(self._trainer) > 1 else Comm(bcp.LOCAL)
+        newest = comm.run_on_coordinator(find, "finding the newest committed checkpoint")
+        if newest is None:
+            raise ValueError(f"No valid checkpoint found in output directory ({run_dir}) (bytecheckpoint: no "
+                             f"committed checkpoint-<step> folder)")
+        return newest
+
+    def _w_load_from_checkpoint(self, original: Callable, resume_from_checkpoint: str, model: Any = None) -> None:
+        if self._active and folders.is_ours(resume_from_checkpoint):
+            return None  # loaded right after accelerator.prepare (_w_prepare_for_training)
+        return original(resume_from_checkpoint, model)
+
+    def _w_prepare_for_training(self, original: Callable, max_steps: int, train_dataloader: Any,
+                                resume_from_checkpoint: Optional[str]) -> Any:
+        if not self._active or resume_from_checkpoint is None or not folders.is_ours(resume_from_checkpoint):
+            return original(max_steps, train_dataloader, resume_from_checkpoint)
+        result = original(max_steps, train_dataloader, None)  # prepare without the stock loads
+        self._load(resume_from_checkpoint)
+        return result
+
+    def _load(self, folder: str) -> None:
+        tr = self._trainer
+        route = routes.route_for(tr)
+        path = folders.subdir(folder)
+        comm = self._comm("load") if route.collective else Comm(bcp.LOCAL)
+        saved = comm.run(lambda: set(top_level_placeholders(self._ckpt.metadata(path, **self._storage).structure)),
+                         f"reading {path}")
+        if route.model_key not in saved:
+            other = "engine" if route.model_key == "model" else "model"
+            raise bcp.StateMismatchError(
+                f"{path} holds {sorted(saved)}: no {route.model_key!r}. "
+                + (f"It was saved {'with' if other == 'engine' else 'without'} DeepSpeed; resume it with the same "
+                   f"kind of training (DeepSpeed <-> non-DeepSpeed checkpoints do not convert)." if other in saved else
+                   "It is not a Trainer checkpoint of this adapter."))
+        state: Dict[str, Any] = {route.model_key: _model(tr, route)}
+        if "optimizer" in saved and not route.optimizer_in_model and tr.optimizer is not None:
+            state["optimizer"] = getattr(tr.optimizer, "optimizer", tr.optimizer)
+        if "scheduler" in saved and tr.lr_scheduler is not None:
+            state["scheduler"] = getattr(tr.lr_scheduler, "scheduler", tr.lr_scheduler)
+        scaler = getattr(tr.accelerator, "scaler", None)
+        if "scaler" in saved and scaler is not None:
+            state["scaler"] = scaler
+        state["trainer"] = None
+        group = {} if route.collective else {"process_group": bcp.LOCAL}
+        self._ckpt.load(path, state, **group, **self._storage)
+        self._resumed = {"path": os.path.abspath(folder), "trainer": state["trainer"]}
+        logger.info("bytecheckpoint: resumed %s from %s", ", ".join(k for k in state if k != "trainer"), path)
+
+    def _w_load_rng_state(self, original: Callable, checkpoint: Optional[str]) -> None:
+        if not self._active or checkpoint is None or not folders.is_ours(checkpoint):
+            return original(checkpoint)
+        resumed = self._resumed
+        if resumed is None or resumed["path"] != os.path.abspath(checkpoint):
+            self._load(checkpoint)
+            resumed = self._resumed
+        args = self._trainer.args
+        states = rng.pick(resumed["trainer"] or {}, args.world_size, args.process_index)
+        if states is not None:
+            from transformers.training_args import ParallelMode
+            rng.restore(states, distributed=args.parallel_mode == ParallelMode.DISTRIBUTED)
+
+    def _w_load_best_model(self, original: Callable) -> None:
+        tr = self._trainer
+        best = tr.state.best_model_checkpoint
+        if not self._active or best is None or not folders.is_ours(best):
+            return original()
+        self._ckpt.wait()
+        route = routes.route_for(tr)
+        path = folders.subdir(best)
+        logger.info(f"Loading best model from {best} (score: {tr.state.best_metric}).")
+        group = {} if route.collective else {"process_group": bcp.LOCAL}
+        # only the model (DeepSpeed: the engine, as the stock deepspeed_load_checkpoint loads it)
+        self._ckpt.load(path, {route.model_key: _model(tr, route)}, strict=False, **group, **self._storage)
+
+    def _w_finalize_training(self, original: Callable, trial: Any, num_train_samples: int, start_time: float) -> Any:
+        if self._active:
+            self._ckpt.wait()  # every checkpoint committed before the best one is loaded or others deleted
+        return original(trial, num_train_samples, start_time)
+
+
+def _model(trainer: Any, route: routes.Route) -> Any:
+    if route is routes.DEEPSPEED:
+        return trainer.model_wrapped  # the DeepSpeedEngine
+    return getattr(trainer.model, "_orig_mod", trainer.model)  # FSDP: the wrapped root; torch.compile stripped
+
+
+def _world(trainer: Any) -> int:
+    return int(trainer.args.world_size)
+
+
+def _make_durable(folder: str, names: tuple) -> None:
+    """fsync the Trainer's own files that a resume reads, and the folder, before the commit point."""
+    for name in names:
+        path = os.path.join(folder, name)
+        if os.path.isfile(path):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def attach(trainer: Any, checkpointer: Optional["bcp.Checkpointer"] = None, *, async_save: Optional[bool] = None,
+           storage_options: Optional[dict] = None) -> TrainerAttachment:
+    """Make ``trainer`` save and resume checkpoints through bytecheckpoint (``checkpoint-<step>/
+    bytecheckpoint``), reshardable to any process count and layout.
+
+    Call on every process, after building the ``Trainer`` (before ``train()``).
+
+    Args:
+        checkpointer: a ``bytecheckpoint.Checkpointer`` to share (not closed by ``remove()``);
+            default: one built with ``Checkpointer.from_env(...)`` and closed by ``remove()``.
+        async_save: a checkpoint returns once the state is copied out; writing and commit finish
+            in the background (waited for by the end of ``train()``, ``wait()`` and ``remove()``).
+            Default: the checkpointer's setting. JIT checkpoints (SIGTERM) are always synchronous.
+        storage_options: for remote storage; default: the checkpointer's.
+    """
+    from transformers import Trainer
+
+    if not isinstance(trainer, Trainer):
+        raise TypeError(f"transformers_bytecheckpoint.attach expects a transformers.Trainer; got {type(trainer).__name__}")
+    if getattr(trainer, _ATTACHMENT_ATTR, None) is not None:
+        raise RuntimeError("transformers_bytecheckpoint.attach: this Trainer is already attached; remove() the first handle")
+    compat.check(trainer)
+    routes.route_for(trainer)
+    args = trainer.args
+    if args.save_on_each_node and routes.route_for(trainer).collective and args.world_size > 1:
+        raise ValueError(
+            "transformers_bytecheckpoint.attach: save_on_each_node=True with sharded (FSDP/DeepSpeed/DTensor) "
+            "state: every process writes its part into one folder, so the folder must be on a file system all "
+            "nodes share. Set save_on_each_node=False (TrainingArguments), or do not attach.")
+    if checkpointer is None:
+        checkpointer, owns = bcp.Checkpointer.from_env(storage_options=storage_options, async_save=async_save), True
+    elif not isinstance(checkpointer, bcp.Checkpointer):
+        raise TypeError(f"transformers_bytecheckpoint.attach: checkpointer must be a bytecheckpoint.Checkpointer, got "
+                        f"{type(checkpointer).__name__}")
+    else:
+        owns = False
+    attachment = TrainerAttachment(trainer, checkpointer, owns_checkpointer=owns, async_save=async_save,
+                                   storage_options=storage_options)
+    attachment._install()
+    return attachment
