@@ -22,7 +22,7 @@ from collections import OrderedDict
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from . import inspect as inspection
-from . import loader, restoring, saver, zero_redundancy
+from . import copy_out, device_reads, loader, restoring, saver, zero_redundancy
 from . import local_tier as local_tier_mod
 from .comm import LOCAL, Comm
 from .errors import CheckpointError, CheckpointerClosedError
@@ -86,6 +86,7 @@ class Checkpointer:
         self._runner = BackgroundRunner()
         self._plans = saver.PlanCache()
         self._pool: Optional[StagingPool] = None
+        self._slabs: Optional[device_reads.PinnedSlabs] = None
         self._metadata: "OrderedDict[str, tuple]" = OrderedDict()
         self._stores = StorageCache(self.options)
         self._hosts: Dict[Any, List[str]] = {}
@@ -143,15 +144,25 @@ class Checkpointer:
             begin = lambda: saver.begin(store, overwrite, self._read_metadata)  # noqa: E731
         else:
             raise CheckpointError(f"save: tier must be 'persistent' or 'local', got {tier!r}")
+        # An async save of an unchanged layout starts its copies while the state is walked
+        early = copy_out.early_copies(self._staging(), self._plans, comm.key) if background else None
+        t_walk = time.perf_counter()
         try:
-            flat, manifest, blob = _prepare(state, self.registry, self.options.fsdp1_route)
-            prepare_error = None
-        except Exception as exc:  # noqa: BLE001 - every rank raises it, from saver.plan
-            flat = manifest = blob = None
-            prepare_error = exc
-        local, full, save_id, old_data = saver.plan(comm, manifest, self._plans, begin, prepare_error)
-        data = saver.sources(flat, local.writes)
+            try:
+                flat, manifest, blob = _prepare(state, self.registry, self.options.fsdp1_route,
+                                                early.on_tensor if early is not None else None)
+                prepare_error = None
+            except Exception as exc:  # noqa: BLE001 - every rank raises it, from saver.plan
+                flat = manifest = blob = None
+                prepare_error = exc
+            t_plan = time.perf_counter()
+            local, full, save_id, old_data = saver.plan(comm, manifest, self._plans, begin, prepare_error)
+            data = saver.sources(flat, local.writes)
+        except BaseException:
+            copy_out.release(early)
+            raise
         handle = SaveHandle(str(path), pending=self._pending)
+        handle.stats.update(walk_s=t_plan - t_walk, plan_s=time.perf_counter() - t_plan)
         if tier == "local":
             job = local_tier_mod.LocalJob(tier_state, comm, tier_comm, name, local, full, save_id, flat.structure,
                                           blob, info)
@@ -165,34 +176,29 @@ class Checkpointer:
             handle.stats["total_s"] = time.perf_counter() - t0
             return handle
 
-        pool = self._staging()
-        slot = pool.acquire()
-        try:
-            staged = pool.stage(slot, [((w.key, w.offsets, w.lengths, t.dtype), t) for w, t in zip(local.writes, data)])
-            write, start_beat = start_background()
-        except BaseException:
-            pool.release(slot)
-            raise
-
-        # One thread start on the caller's thread (each costs a scheduler round trip: measured up
-        # to ~60 ms on a loaded machine); the heartbeat and the pre-faulting job start from it.
-        def run(wait_turn) -> None:
-            beat = start_beat() if start_beat is not None else None  # peers can tell this rank is alive
-            try:
-                wait_turn()  # after the previous save's job (beating meanwhile: a slow one is not a dead one)
-                with Workers(self.options.threads) as workers:
-                    write(workers, staged)
-            finally:
-                if beat is not None:
-                    beat.stop()
-                pool.release(slot)
-            if not self._closed:  # pre-fault the other slot before this save counts as done, so a save
-                pool.warm(slot)   # right after wait() copies into warm pages (a no-op once both slots are)
-
-        handle._future = self._runner.submit(run)
-        handle.stats["stall_s"] = time.perf_counter() - t0
+        copy_out.start(self._staging(), self._runner, self.options.threads, early, local, data, start_background,
+                         handle, lambda: self._closed, t0)
         self._pending.add(handle)
         return handle
+
+    def warm_up(self, state: Dict[str, Any], *, process_group: Any = _UNSET) -> int:
+        """Prepare async saves of `state` ahead of the first one (collective, like save): plan it
+        and allocate every staging slot's buffers (page-locked for GPU tensors), so the first
+        async save stalls only for its copy, not for the allocation. Call it after the state
+        exists in full (e.g. after the first optimizer step, which creates Adam's moments).
+        Nothing is copied or written; returns the bytes of staging memory allocated."""
+        self._check_open()
+        comm = self._comm(process_group)
+        comm.arrive(self.options.timeout_s, "warm-up")
+        try:
+            flat, manifest, _ = _prepare(state, self.registry, self.options.fsdp1_route)
+            prepare_error = None
+        except Exception as exc:  # noqa: BLE001 - every rank raises it, from saver.plan
+            flat = manifest = None
+            prepare_error = exc
+        local, _, _, _ = saver.plan(comm, manifest, self._plans, lambda: (saver.new_save_id(), None), prepare_error)
+        data = saver.sources(flat, local.writes)
+        return self._staging().prepare([(saver.staging_key(w, t), t) for w, t in zip(local.writes, data)])
 
     def _persistent_background(self, job: "saver.Job"):
         """The background write of a persistent save, and how to start its heartbeat (on the job's
@@ -221,7 +227,8 @@ class Checkpointer:
         shared = zero_redundancy.plan_shared if self._share(comm, store) else zero_redundancy.no_sharing
         with Workers(self.options.threads) as workers:
             loader.load(comm, store, workers, md, state, strict=strict, allow_pickle=allow_pickle, shared=shared,
-                        stats=stats, registry=self.registry, fsdp1_route=self.options.fsdp1_route)
+                        stats=stats, registry=self.registry, fsdp1_route=self.options.fsdp1_route,
+                        slabs=self._load_slabs())
         self.last_load_stats = stats
         return state
 
@@ -275,7 +282,8 @@ class Checkpointer:
                        choice: "restoring.LocalChoice") -> Restored:
         restored, stats = restoring.restore_local(self._local_tier(), comm, state, choice, strict=strict,
                                                   allow_pickle=allow_pickle, threads=self.options.threads,
-                                                  registry=self.registry, fsdp1_route=self.options.fsdp1_route)
+                                                  registry=self.registry, fsdp1_route=self.options.fsdp1_route,
+                                                  slabs=self._load_slabs())
         if stats is not None:
             self.last_load_stats = stats
         return restored
@@ -354,6 +362,9 @@ class Checkpointer:
             if self._pool is not None:
                 self._pool.free()
             self._pool = None
+            if self._slabs is not None:
+                self._slabs.free()
+            self._slabs = None
             self._plans.clear()
             self._metadata.clear()
             self._stores.close()
@@ -393,6 +404,16 @@ class Checkpointer:
                 self._pool = StagingPool(self.options.staging_slots)
             return self._pool
 
+    def _load_slabs(self) -> Optional[device_reads.PinnedSlabs]:
+        """The pinned slabs of loads into device tensors (their memory is taken on first use)."""
+        budget = self.options.pinned_load_bytes
+        if not budget:
+            return None
+        with self._lock:
+            if self._slabs is None:
+                self._slabs = device_reads.PinnedSlabs.for_budget(budget)
+            return self._slabs
+
     def _comm(self, process_group: Any) -> Comm:
         return Comm(self.process_group if process_group is _UNSET else process_group)
 
@@ -431,8 +452,8 @@ class Checkpointer:
             raise CheckpointerClosedError("this Checkpointer was closed; create a new one (or use bcp.save/load)")
 
 
-def _prepare(state: Dict[str, Any], registry: TypeRegistry, fsdp1_route: str):
-    flat = flatten_for_save(state, registry, fsdp1_route)
+def _prepare(state: Dict[str, Any], registry: TypeRegistry, fsdp1_route: str, on_tensor=None):
+    flat = flatten_for_save(state, registry, fsdp1_route, on_tensor)
     manifest, blob = saver.manifest_and_blob(flat)
     return flat, manifest, blob
 

@@ -47,3 +47,17 @@ class PeerTimeoutError(CheckpointError, TimeoutError):
 
 class CheckpointerClosedError(CheckpointError):
     """The Checkpointer was closed; it takes no more work."""
+
+
+def partly_written(exc: BaseException) -> BaseException:
+    """A failure of a load that had started writing into the caller's tensors, saying so (same
+    type where its constructor allows)."""
+    if not isinstance(exc, CheckpointError) or "partly overwritten" in str(exc):
+        return exc
+    try:
+        out = type(exc)(f"{exc} (the load stopped; tensors it was loading into may be partly overwritten: "
+                        f"load again from an intact checkpoint before using them)")
+    except TypeError:  # an error type with another constructor: raise it as it is
+        return exc
+    out.__cause__ = exc
+    return out

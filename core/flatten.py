@@ -49,6 +49,7 @@ class Flat:
     subtrees: Dict[str, Callable[[Any], None]] = field(default_factory=dict)  # load: prefix -> consume full value
     finalizers: List[Callable[[], None]] = field(default_factory=list)
     structure: Any = None
+    notes: Dict[str, str] = field(default_factory=dict)  # load: key -> how a value was prepared (LoadStats)
 
 
 # ------------------------------------------------------------------ registry
@@ -114,8 +115,9 @@ def join(prefix: str, k: Any) -> str:
 
 class Walker:
     def __init__(self, state: Any, registry: TypeRegistry, for_load: bool, saved: Any = None,
-                 fsdp1_route: str = "flat"):
+                 fsdp1_route: str = "flat", on_tensor: Optional[Callable[[TensorEntry], None]] = None):
         self.flat = Flat()
+        self.on_tensor = on_tensor  # save: called with each tensor entry as the walk finds it
         self.registry = registry
         self.for_load = for_load
         self.saved = saved  # load: the checkpoint's structure tree (what was saved), if known
@@ -133,11 +135,14 @@ class Walker:
             raise CheckpointError(f"key {entry.key!r} appears twice in the state (two dict keys that print the "
                                   f"same, e.g. 1 and '1'); rename one")
         self.flat.tensors[entry.key] = entry
+        if self.on_tensor is not None:
+            self.on_tensor(entry)
 
 
-def flatten_for_save(state: Any, registry: TypeRegistry, fsdp1_route: str = "flat") -> Flat:
+def flatten_for_save(state: Any, registry: TypeRegistry, fsdp1_route: str = "flat",
+                     on_tensor: Optional[Callable[[TensorEntry], None]] = None) -> Flat:
     _check_top(state)
-    w = Walker(state, registry, for_load=False, fsdp1_route=fsdp1_route)
+    w = Walker(state, registry, for_load=False, fsdp1_route=fsdp1_route, on_tensor=on_tensor)
     w.flat.structure = w.save(state, "")
     return w.flat
 

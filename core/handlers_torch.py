@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from . import fsdp1, optim_state
-from .flatten import Handler
+from .flatten import Handler, find_subtree, join
 
 
 class ModuleHandler(Handler):
@@ -28,7 +28,12 @@ class ModuleHandler(Handler):
 
 class OptimizerHandler(Handler):
     """Keyed by parameter name (via the module in the same state that owns the parameters), so
-    optimizer state reshards with the model; without such a module, falls back to index keys."""
+    optimizer state reshards with the model; without such a module, falls back to index keys.
+    A fresh optimizer (every resume after a failure) gets the state tensors the checkpoint holds
+    made directly, for torch's own optimizers, instead of by a zero-lr step (optim_state.py)."""
+
+    def __init__(self) -> None:
+        self.names = optim_state.NameCache()
 
     def save(self, value, key, walk):
         model = _owner_module(value, walk.param_owner)
@@ -36,7 +41,9 @@ class OptimizerHandler(Handler):
             return walk.registry.stateful.save(value, key, walk)
         if fsdp1.uses_flat_route(model, walk.fsdp1_route):
             return fsdp1.save_optimizer(value, model, key, walk)
-        return walk.save(optim_state.named_optimizer_state(model, value), key)
+        if fsdp1.holds_fsdp1(model):
+            return walk.save(optim_state.named_optimizer_state(model, value), key)
+        return walk.save(self.names.state_dict(model, value), key)
 
     def load(self, value, key, walk, assign):
         model = _owner_module(value, walk.param_owner)
@@ -53,7 +60,16 @@ class OptimizerHandler(Handler):
             walk.load(loaded["osd"], key, lambda v: loaded.__setitem__("osd", v))
             walk.flat.finalizers.append(lambda: optim_state.load_groups_only(value, loaded["osd"]))
             return
-        loaded["osd"] = get_optimizer_state_dict(model, value)  # creates state for a fresh target: the template
+        if fsdp1.holds_fsdp1(model):
+            loaded["osd"] = get_optimizer_state_dict(model, value)  # creates state for a fresh target: the template
+        else:
+            if not value.state:
+                how = optim_state.create_state_from_checkpoint(model, value, find_subtree(walk.saved, join(key, "state")),
+                                                               self.names)
+                walk.flat.notes[key] = how
+            # still without state (an optimizer not known here): torch's own zero-lr step makes it
+            loaded["osd"] = self.names.state_dict(model, value) if value.state else get_optimizer_state_dict(model,
+                                                                                                            value)
         walk.load(loaded["osd"], key, lambda v: loaded.__setitem__("osd", v))
         walk.flat.finalizers.append(lambda: set_optimizer_state_dict(model, value, loaded["osd"]))
 

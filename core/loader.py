@@ -14,10 +14,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import codec, dtypes, zero_redundancy
+from . import codec, device_reads, dtypes, zero_redundancy
 from .comm import Comm
 from .errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError,
-                     StateMismatchError)
+                     StateMismatchError, partly_written)
 from .flatten import Flat, TypeRegistry, build_from_structure, find_subtree, flatten_for_load, structure_leaves
 from .metadata import METADATA_FILE, Metadata, dtype_itemsize
 from .planner import ReadItem, TargetSpec, check_targets, plan_load
@@ -34,9 +34,14 @@ class LoadStats:
         self.bytes_read = 0
         self.bytes_received = 0
         self.reads = 0
+        self.pinned_bytes = 0      # page-locked host memory the load's device path used (its slabs)
+        self.device_bytes = 0      # bytes that went to device tensors through those slabs
+        self.optimizer_state: Dict[str, str] = {}  # optimizer key -> how its fresh state was made
 
     def __repr__(self) -> str:
-        return f"LoadStats(bytes_read={self.bytes_read}, bytes_received={self.bytes_received}, reads={self.reads})"
+        return (f"LoadStats(bytes_read={self.bytes_read}, bytes_received={self.bytes_received}, reads={self.reads}, "
+                f"pinned_bytes={self.pinned_bytes}, device_bytes={self.device_bytes}, "
+                f"optimizer_state={self.optimizer_state})")
 
 
 def missing_metadata_error(store: Storage) -> Exception:
@@ -77,11 +82,21 @@ def chunk_needs(md: Metadata, reads: Sequence[ReadItem], dests: Sequence[torch.T
     return needs
 
 
-def read_chunks(store: Storage, workers: Workers, md: Metadata, needs: Needs, stats: LoadStats, what: str) -> None:
+def read_chunks(store: Storage, workers: Workers, md: Metadata, needs: Needs, stats: LoadStats, what: str,
+                slabs: Optional[device_reads.PinnedSlabs] = None) -> None:
     """Read every needed chunk (all in flight at once), check it, copy its parts into place. A
     chunk that fills one contiguous target is read straight into it; a chunk needed only in part
     is read as the checksum blocks that hold that part (chunks.ChunkRead). Whole chunks that lie
-    near each other in one pack file (format 5) are read by one request (packs.plan_runs)."""
+    near each other in one pack file (format 5) are read by one request (packs.plan_runs).
+    Chunks bound for device tensors go through `slabs` (pinned, overlapped: device_reads.py)."""
+    if slabs is not None:
+        staged, needs = device_reads.split_needs(md.arrays, needs, slabs.slab_bytes, device_reads.staged_destination)
+        if staged:
+            before = stats.bytes_read
+            device_reads.read_staged(store, workers, md.arrays, staged, slabs, device_reads.mover_for(staged), what,
+                                     stats)
+            stats.device_bytes += stats.bytes_read - before
+            stats.pinned_bytes = max(stats.pinned_bytes, slabs.nbytes)
     located, rest = [], []
     for ref, parts in needs.items():
         meta = md.arrays[ref[0]]
@@ -208,7 +223,7 @@ def _list(keys: List[str], n: int = 20) -> str:
 
 def load(comm: Comm, store: Storage, workers: Workers, md: Metadata, state: Dict[str, Any], *, strict: bool,
          allow_pickle: bool, shared, stats: LoadStats, registry: TypeRegistry,
-         fsdp1_route: str = "flat") -> Dict[str, Any]:
+         fsdp1_route: str = "flat", slabs: Optional[device_reads.PinnedSlabs] = None) -> Dict[str, Any]:
     """Load `md`'s checkpoint into `state` in place (collective over comm); returns `state`.
     `shared(comm, md, needs)` plans which chunks one rank reads for others and broadcasts
     (zero-redundancy; or `zero_redundancy.no_sharing`): every other chunk is read locally."""
@@ -238,6 +253,7 @@ def load(comm: Comm, store: Storage, workers: Workers, md: Metadata, state: Dict
         return flat, missing, plan_load(md.tensors, targets), whole
 
     flat, missing, reads, whole = comm.run(prepare, f"planning the load of {store.url!r}")
+    stats.optimizer_state.update(flat.notes)
 
     def dest_of(r: ReadItem) -> torch.Tensor:
         if r.key in whole:
@@ -248,9 +264,12 @@ def load(comm: Comm, store: Storage, workers: Workers, md: Metadata, state: Dict
     shared = shared(comm, md, needs)
 
     # the chunks only this rank needs, then the shared ones (read once, broadcast, pipelined)
-    comm.run(lambda: read_chunks(store, workers, md, shared.local_needs(needs), stats, "loading"),
-             f"reading {store.url!r}")
-    zero_redundancy.exchange(comm, store, workers, md, shared, needs, stats)
+    try:
+        comm.run(lambda: read_chunks(store, workers, md, shared.local_needs(needs), stats, "loading", slabs),
+                 f"reading {store.url!r}")
+        zero_redundancy.exchange(comm, store, workers, md, shared, needs, stats)
+    except CheckpointError as exc:  # the state's tensors were being written: say so
+        raise partly_written(exc)
 
     def read_all():
         if flat.setters or flat.subtrees:

@@ -21,6 +21,7 @@ ENV = {
     "BCP_DEAD_PEER_S": "dead_peer_s",
     "BCP_FILE_IO": "local_io",
     "BCP_FSDP1_ROUTE": "fsdp1_route",
+    "BCP_PINNED_LOAD_BYTES": "pinned_load_bytes",
     # older names, kept working
     "BCP_COLLECTIVE_TIMEOUT_S": "timeout_s",
     "BCP_COPY_CONCURRENCY": "io_threads",
@@ -49,6 +50,9 @@ class Options:
     # FSDP1 models: "flat" (each rank's flat-parameter shard written as per-parameter flat shards,
     # no all-gather) or "sharded_tensor" (FSDP's sharded state dict; see fsdp1.py).
     fsdp1_route: str = "flat"
+    # Loads into GPU tensors read through this much page-locked host memory (slabs, allocated on
+    # the first such load and kept until close()); 0: pageable reads and blocking copies instead.
+    pinned_load_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
         def bad(name: str, want: str) -> CheckpointError:
@@ -59,6 +63,9 @@ class Options:
             raise bad("io_threads", "None or an integer >= 1")
         if not isinstance(self.io_concurrency, int) or self.io_concurrency < 1:
             raise bad("io_concurrency", "an integer >= 1")
+        if (not isinstance(self.pinned_load_bytes, int) or isinstance(self.pinned_load_bytes, bool)
+                or self.pinned_load_bytes < 0):
+            raise bad("pinned_load_bytes", "an integer >= 0 (bytes; 0 turns the pinned load path off)")
         if self.zero_redundancy not in ("auto", True, False):
             raise bad("zero_redundancy", '"auto", True or False')
         for name in ("timeout_s", "dead_peer_s"):

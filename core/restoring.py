@@ -50,7 +50,7 @@ def local_choice(tier: "local_tier_mod.TierState", comm: Comm, only: Optional[st
 
 def restore_local(tier: "local_tier_mod.TierState", comm: Comm, state: Optional[Dict[str, Any]],
                   choice: LocalChoice, *, strict: bool, allow_pickle: bool, threads: int, registry: TypeRegistry,
-                  fsdp1_route: str) -> Tuple[Restored, Optional[loader.LoadStats]]:
+                  fsdp1_route: str, slabs=None) -> Tuple[Restored, Optional[loader.LoadStats]]:
     """Load the chosen checkpoint into `state` (or, with no template, return all of it): each
     chunk is read on a rank whose node holds its part and sent to the ranks that need it."""
     if choice.name is None:
@@ -66,7 +66,7 @@ def restore_local(tier: "local_tier_mod.TierState", comm: Comm, state: Optional[
     with Workers(threads) as workers:
         loader.load(comm, store, workers, md, state, strict=strict, allow_pickle=allow_pickle,
                     shared=local_tier_mod.holder_planner(held), stats=stats, registry=registry,
-                    fsdp1_route=fsdp1_route)
+                    fsdp1_route=fsdp1_route, slabs=slabs)
     return Restored("local", choice.name, choice.save_id, state=state), stats
 
 

@@ -144,14 +144,50 @@ def sources(flat: Flat, writes: Sequence[WriteItem]) -> List[torch.Tensor]:
     """The local tensor view that holds each write item."""
     out = []
     for w in writes:
-        entry: TensorEntry = flat.tensors[w.key]
-        for p in entry.pieces:
-            if all(po <= wo and wo + wl <= po + pl for po, pl, wo, wl in zip(p.offsets, p.lengths, w.offsets, w.lengths)):
-                out.append(p.tensor[relative((w.offsets, w.lengths), p.offsets)] if w.offsets else p.tensor)
-                break
-        else:  # the planner only assigns a box to a rank that holds it
+        src = source_of(flat.tensors[w.key], w)
+        if src is None:  # the planner only assigns a box to a rank that holds it
             raise CheckpointError(f"internal: rank holds no piece of {w.key!r} containing {w.offsets}")
+        out.append(src)
     return out
+
+
+def source_of(entry: TensorEntry, w: WriteItem) -> Optional[torch.Tensor]:
+    """The view of the entry's local pieces that holds write item `w`, or None."""
+    for p in entry.pieces:
+        if all(po <= wo and wo + wl <= po + pl for po, pl, wo, wl in zip(p.offsets, p.lengths, w.offsets, w.lengths)):
+            return p.tensor[relative((w.offsets, w.lengths), p.offsets)] if w.offsets else p.tensor
+    return None
+
+
+def staging_key(w: WriteItem, t: torch.Tensor) -> tuple:
+    return (w.key, w.offsets, w.lengths, t.dtype)
+
+
+class EarlyCopies:
+    """An async save's staging copies started while the state is still being walked: when the
+    last plan for this process group is known, each tensor's writes are copied out the moment the
+    walk finds it, so the copy engines run during the rest of the walk and the planning. Used only
+    if the save's plan turns out to be that same plan (an unchanged layout: the usual case)."""
+
+    def __init__(self, plan: LocalPlan, staging) -> None:
+        self.plan, self.staging = plan, staging
+        self._by_key: Dict[str, List[int]] = {}
+        for i, w in enumerate(plan.writes):
+            self._by_key.setdefault(w.key, []).append(i)
+        self._buffers: Dict[int, torch.Tensor] = {}
+
+    def on_tensor(self, entry: TensorEntry) -> None:
+        for i in self._by_key.get(entry.key, ()):
+            w = self.plan.writes[i]
+            src = source_of(entry, w)
+            if src is not None and src.dtype == entry.dtype and tuple(src.shape) == tuple(w.lengths):
+                self._buffers[i] = self.staging.copy(staging_key(w, src), src)
+
+    def buffers(self, local: LocalPlan) -> Optional[List[torch.Tensor]]:
+        """The staged buffers of every write of `local`, or None unless it is the plan copied from."""
+        if local is not self.plan or len(self._buffers) != len(local.writes):
+            return None
+        return [self._buffers[i] for i in range(len(local.writes))]
 
 
 def write_local(store: Storage, workers: Workers, data_dir: str, local: LocalPlan, data: Sequence[torch.Tensor],

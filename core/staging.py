@@ -2,17 +2,22 @@
 
 Save N copies the bytes it will write into slot N % slots and returns; the background writer
 releases the slot when its writes are done. Buffers are kept per (key, box) and reused by the
-next save with the same layout, so steady-state saves allocate nothing. With CUDA, buffers are
-pinned and device->host copies run non-blocking on a side stream.
+next save with the same layout, so steady-state saves allocate nothing. Buffers a save needs at
+once are carved out of one allocation (one page-locked arena with CUDA sources: one
+cudaHostAlloc instead of one per tensor, and no pre-faulting pass, since pinned pages are
+resident). Device-to-host copies are queued non-blocking on each source's current stream (after
+the work that produced the sources, as the caller sees them), and one `Fence` per save waits for
+them all: the caller's thread does its remaining work while the copy engines run.
 """
 from __future__ import annotations
 
 import threading
-from typing import Dict, Iterable, List, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
 BufferKey = Tuple[str, Tuple[int, ...], Tuple[int, ...], torch.dtype]
+_ALIGN = 64
 
 
 class Slot:
@@ -22,12 +27,67 @@ class Slot:
         self.busy = False
 
 
+class Fence:
+    """The staging copies of one save: wait() returns when they have landed (no-op without CUDA)."""
+
+    def __init__(self, events: Sequence = ()):
+        self._events = list(events)
+
+    def wait(self) -> None:
+        for e in self._events:
+            e.synchronize()
+        self._events = []
+
+
+class Staging:
+    """One save's copy-out into one slot. `copy` may be called while the state is still being
+    walked (the plan of an unchanged layout is known in advance: checkpointer.py); `stage` copies
+    a whole list; `fence` closes the copies; `finish` drops buffers of keys this save did not use."""
+
+    def __init__(self, pool: "StagingPool", slot: Slot):
+        self.pool, self.slot = pool, slot
+        self.live: set = set()
+        self._devices: set = set()
+
+    def copy(self, key: BufferKey, src: torch.Tensor) -> torch.Tensor:
+        buf = self.slot.buffers.get(key)
+        if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
+            buf = allocate([src], pinned=_wants_pinned(src))[0]
+            self.slot.buffers[key] = buf
+        self.live.add(key)
+        if src.is_cuda:
+            self._devices.add(src.device)
+            buf.copy_(src, non_blocking=True)
+        else:
+            buf.copy_(src)
+        return buf
+
+    def stage(self, items: Iterable[Tuple[BufferKey, torch.Tensor]]) -> List[torch.Tensor]:
+        """Copy each source into the slot's buffer for its key (missing buffers allocated together
+        first); returns the CPU buffers, in order."""
+        items = list(items)
+        self.pool.reserve(self.slot, [(k, s) for k, s in items])
+        return [self.copy(k, s) for k, s in items]
+
+    def fence(self) -> Fence:
+        events = []
+        for device in self._devices:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+            events.append(event)
+        self._devices = set()
+        return Fence(events)
+
+    def finish(self) -> None:
+        for key in [k for k in self.slot.buffers if k not in self.live]:  # layout changed: drop stale buffers
+            del self.slot.buffers[key]
+
+
 class StagingPool:
     def __init__(self, slots: int = 2):
         self._slots = [Slot(i) for i in range(max(1, slots))]
         self._next = 0
         self._cond = threading.Condition()
-        self._stream = None
 
     def acquire(self) -> Slot:
         """The next slot in turn; waits while an earlier save still writes from it."""
@@ -44,57 +104,62 @@ class StagingPool:
             slot.busy = False
             self._cond.notify_all()
 
+    def session(self, slot: Slot) -> Staging:
+        return Staging(self, slot)
+
     def stage(self, slot: Slot, items: Iterable[Tuple[BufferKey, torch.Tensor]]) -> List[torch.Tensor]:
-        """Copy each source into the slot's buffer for its key; returns the CPU buffers, in order."""
-        out: List[torch.Tensor] = []
-        live = set()
-        cuda_sources = False
-        for key, src in items:
-            buf = slot.buffers.get(key)
-            if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
-                buf = _new_buffer(src)
-                slot.buffers[key] = buf
-            live.add(key)
-            if src.is_cuda:
-                cuda_sources = True
-                with torch.cuda.stream(self._side_stream()):
-                    buf.copy_(src, non_blocking=True)
-            else:
-                buf.copy_(src)
-            out.append(buf)
-        if cuda_sources:
-            # The copies must land before training mutates the sources again.
-            self._side_stream().synchronize()
-        for key in [k for k in slot.buffers if k not in live]:  # layout changed: drop stale buffers
-            del slot.buffers[key]
+        """Copy each source into the slot's buffer and wait for the copies (one call, no overlap)."""
+        staging = self.session(slot)
+        out = staging.stage(items)
+        staging.fence().wait()
+        staging.finish()
         return out
+
+    def reserve(self, slot: Slot, items: Sequence[Tuple[BufferKey, torch.Tensor]]) -> int:
+        """Allocate the slot's missing buffers for `items` ((key, source-like tensor)) together;
+        returns the bytes allocated. The caller holds the slot (or it is idle: `warm`)."""
+        missing = [(k, like) for k, like in items if not _fits(slot.buffers.get(k), like)]
+        if not missing:
+            return 0
+        total = 0
+        for pinned in (True, False):
+            group = [(k, like) for k, like in missing if _wants_pinned(like) == pinned]
+            if group:
+                for (k, _), buf in zip(group, allocate([like for _, like in group], pinned)):
+                    slot.buffers[k] = buf
+                    total += buf.numel() * buf.element_size()
+        return total
 
     def warm(self, like: Slot) -> None:
         """Give every idle slot buffers shaped like `like`'s (called in the background after a
-        write), so the next save's copy lands in pre-faulted memory instead of fresh pages. The
-        buffers are allocated and faulted without holding the slot: a save that wants it meanwhile
-        takes it at once (and stages into buffers of its own), instead of waiting for the warm-up."""
+        write), so the next save's copy lands in allocated memory instead of fresh pages. The
+        buffers are allocated without holding the slot: a save that wants it meanwhile takes it at
+        once (and stages into buffers of its own), instead of waiting for the warm-up."""
         for slot in self._slots:
             if slot is like:
                 continue
-            fresh: Dict[BufferKey, torch.Tensor] = {}
-            for key, buf in list(like.buffers.items()):
-                have = slot.buffers.get(key)
-                if have is None or have.shape != buf.shape or have.dtype != buf.dtype:
-                    fresh[key] = _new_buffer(buf)
-            if not fresh:
+            shadow = Slot(slot.index)
+            shadow.buffers = dict(slot.buffers)
+            if not self.reserve(shadow, list(like.buffers.items())):
                 continue
             with self._cond:
                 if not slot.busy:  # else a save took the slot meanwhile: its own buffers win
-                    slot.buffers.update(fresh)
+                    slot.buffers.update({k: b for k, b in shadow.buffers.items() if k in like.buffers})
 
-    def _side_stream(self):
-        if self._stream is None:
-            self._stream = torch.cuda.Stream()
-            self._stream.wait_stream(torch.cuda.current_stream())
-        else:
-            self._stream.wait_stream(torch.cuda.current_stream())
-        return self._stream
+    def prepare(self, items: Sequence[Tuple[BufferKey, torch.Tensor]]) -> int:
+        """Allocate every slot's buffers for a save of `items` ahead of it (Checkpointer.warm_up);
+        returns the bytes allocated."""
+        total = 0
+        for slot in self._slots:
+            with self._cond:
+                while slot.busy:
+                    self._cond.wait()
+                slot.busy = True
+            try:
+                total += self.reserve(slot, items)
+            finally:
+                self.release(slot)
+        return total
 
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for s in self._slots for b in s.buffers.values())
@@ -106,12 +171,28 @@ class StagingPool:
                 self._cond.wait()
             for slot in self._slots:
                 slot.buffers.clear()
-            self._stream = None
 
 
-def _new_buffer(like: torch.Tensor) -> torch.Tensor:
-    pin = (like.is_cuda or like.is_pinned()) and torch.cuda.is_available()
-    buf = torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=pin)
-    if buf.numel():
-        buf.zero_()  # pre-fault the pages now, not inside the first timed copy
-    return buf
+def _fits(buf: Optional[torch.Tensor], like: torch.Tensor) -> bool:
+    return buf is not None and buf.shape == like.shape and buf.dtype == like.dtype
+
+
+def _wants_pinned(like: torch.Tensor) -> bool:
+    return (like.is_cuda or like.is_pinned()) and torch.cuda.is_available()
+
+
+def allocate(likes: Sequence[torch.Tensor], pinned: bool) -> List[torch.Tensor]:
+    """CPU buffers shaped like `likes`, carved out of one allocation (64-byte aligned views).
+    Pinned: page-locked (resident already); else pre-faulted now, not inside the first timed copy."""
+    offsets, total = [], 0
+    for t in likes:
+        offsets.append(total)
+        total += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+    arena = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=pinned)
+    if not pinned and total:
+        arena.zero_()
+    out = []
+    for t, off in zip(likes, offsets):
+        nbytes = t.numel() * t.element_size()
+        out.append(arena[off:off + nbytes].view(t.dtype).view(t.shape))
+    return out

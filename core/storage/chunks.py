@@ -343,12 +343,13 @@ def start_chunk_reads(storage, refs: Sequence[Tuple[ArrayMeta, Tuple[int, ...]]]
     return [_read_whole_chunk(storage, meta, index) for meta, index in refs]
 
 
-def lands_whole(meta: ArrayMeta, parts) -> bool:
-    """A chunk that fills one contiguous CPU destination is read straight into it (no copy)."""
+def lands_whole(meta: ArrayMeta, parts, any_device: bool = False) -> bool:
+    """A chunk that fills one contiguous CPU destination is read straight into it (no copy);
+    any_device: a destination on any device (the pinned path uploads into it directly)."""
     if len(parts) != 1:
         return False
     part, dest = parts[0]
-    return tuple(part[1]) == tuple(meta.chunks) and dest.is_contiguous() and not dest.is_cuda
+    return tuple(part[1]) == tuple(meta.chunks) and dest.is_contiguous() and (any_device or not dest.is_cuda)
 
 
 def start_read_into(storage, meta: ArrayMeta, index: Sequence[int], dest: torch.Tensor):

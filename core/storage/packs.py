@@ -115,8 +115,9 @@ class Run:
     stop: int = 0
 
 
-def plan_runs(located: Sequence[Tuple[str, int, int, object]]) -> List[Run]:
-    """(pack key, offset, nbytes, payload) of whole-chunk reads -> runs (pure)."""
+def plan_runs(located: Sequence[Tuple[str, int, int, object]], max_bytes: int = RUN_MAX_BYTES) -> List[Run]:
+    """(pack key, offset, nbytes, payload) of whole-chunk reads -> runs of at most max_bytes
+    (a single larger read stays one run) (pure)."""
     runs: List[Run] = []
     by_key: Dict[str, List[Tuple[int, int, object]]] = {}
     for key, offset, nbytes, payload in located:
@@ -125,7 +126,7 @@ def plan_runs(located: Sequence[Tuple[str, int, int, object]]) -> List[Run]:
         current = None
         for offset, nbytes, payload in sorted(by_key[key], key=lambda x: x[0]):
             if (current is None or offset - current.stop > RUN_GAP_BYTES or offset < current.stop
-                    or offset + nbytes - current.start > RUN_MAX_BYTES):
+                    or offset + nbytes - current.start > max_bytes):
                 current = Run(key, offset, [], offset)
                 runs.append(current)
             current.members.append((offset, payload))
