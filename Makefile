@@ -34,7 +34,7 @@ bench: $(BENCH)
 	$(PY) benchmarks/run_all.py
 
 clean:
-	rm -rf $(VENV) $(COMPAT_VENV) $(TORCH_VENV) build *.egg-info
+	rm -rf $(VENV) $(COMPAT_VENV) .venv-torch-* build *.egg-info
 
 # ---- the frameworks' own checkpoint suites, with the plugin injected (not part of `make test`) -----
 # Lightning 2.6.5's and Accelerate 1.15's checkpoint tests from ../shared/framework_suites, each
@@ -62,16 +62,17 @@ test-frameworks-accelerate: $(FRAMEWORKS)
 
 # ---- the supported version ranges (not part of `make test`) --------------------------------------
 # The adapters' tests on the newest supported Lightning/Accelerate (the main venv) and on the
-# oldest (a second venv, same CPU torch); the core's tests on the newest supported torch (2.14.1,
-# from this disk's index: a CUDA build of several GB, so its own target).
+# oldest (a second venv, same CPU torch); the core's tests on both ends of the supported torch
+# range, 2.11.0 and 2.15.0 (from the registry: CUDA builds of several GB that run on the CPU,
+# each in its own venv; this machine's pip constraint file caps torch at 2.14.1, so these installs
+# read no pip config: PIP_CONFIG_FILE=/dev/null).
 COMPAT_VENV ?= .venv-compat
 OLDEST      := lightning==2.4.0 accelerate==1.6.0
 ADAPTER_TESTS := tests/integration/test_lightning.py tests/integration/test_lightning_contracts.py \
                  tests/integration/test_accelerate.py tests/integration/test_accelerate_attach.py
 # DeepSpeed: only its newest supported release (0.19.8) is tested (the [deepspeed] extra's range)
 DEEPSPEED_TESTS := tests/dist/test_deepspeed.py
-TORCH_NEW   := torch==2.14.1
-TORCH_VENV  ?= .venv-torch-new
+TORCH_ENDS  := 2.11.0 2.15.0
 .PHONY: test-compat test-compat-torch
 
 test-compat: $(STAMP)
@@ -83,9 +84,14 @@ test-compat: $(STAMP)
 	$(COMPAT_VENV)/bin/pip install -q $(TORCH) -e '.[dev]' $(OLDEST)
 	$(COMPAT_VENV)/bin/python -m pytest -q -p no:cacheprovider $(ADAPTER_TESTS)
 
+# the core (unit + multi-rank tests) on each end of the torch range, one venv per release
 test-compat-torch:
-	test -x $(TORCH_VENV)/bin/python || python3 -m venv $(TORCH_VENV)
-	$(TORCH_VENV)/bin/pip install -q $(TORCH_NEW)
-	$(TORCH_VENV)/bin/pip install -q $(TORCH_NEW) -e '.[dev]'
-	$(TORCH_VENV)/bin/python -c "import torch; assert torch.__version__.startswith('2.14.1'), torch.__version__"
-	$(TORCH_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/unit tests/dist
+	set -e; for v in $(TORCH_ENDS); do \
+	  venv=.venv-torch-$$v; \
+	  test -x $$venv/bin/python || python3 -m venv $$venv; \
+	  PIP_CONFIG_FILE=/dev/null $$venv/bin/pip install -q torch==$$v; \
+	  PIP_CONFIG_FILE=/dev/null $$venv/bin/pip install -q torch==$$v -e '.[dev]'; \
+	  $$venv/bin/python -c "import torch; assert torch.__version__.startswith('$$v'), torch.__version__"; \
+	  echo "== torch $$v"; \
+	  $$venv/bin/python -m pytest -q -p no:cacheprovider tests/unit tests/dist; \
+	done
