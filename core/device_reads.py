@@ -112,6 +112,9 @@ class PinnedSlabs:
         self.slab_bytes, self.count, self.pin = slab_bytes, max(2, count), pin
         self._arena: Optional[torch.Tensor] = None
         self._free: List[Tuple[int, Any]] = []
+        # the side stream per device of the loads through these slabs (kept: device scratch freed
+        # on a stream is reused by later allocations on that stream only)
+        self.streams: Dict[torch.device, Any] = {}
         self._cond = threading.Condition()
         self.in_use = 0
         self.peak_in_use = 0
@@ -161,6 +164,7 @@ class PinnedSlabs:
         self.drain()
         with self._cond:
             self._arena, self._free = None, []
+            self.streams.clear()
 
 
 # ---------------------------------------------------------------------- copies
@@ -191,15 +195,15 @@ class CudaMover:
     """Non-blocking copies on one side stream per device, ordered after the caller's stream (the
     destinations may have been written there) and before it again at finish()."""
 
-    def __init__(self) -> None:
-        self._streams: Dict[torch.device, Any] = {}
+    def __init__(self, streams: Dict[torch.device, Any]) -> None:
+        self._streams = streams
 
     def begin(self, devices) -> None:
         for d in devices:
-            if d.type == "cuda" and d not in self._streams:
-                stream = torch.cuda.Stream(device=d)
-                stream.wait_stream(torch.cuda.current_stream(d))
-                self._streams[d] = stream
+            if d.type == "cuda":
+                if d not in self._streams:
+                    self._streams[d] = torch.cuda.Stream(device=d)
+                self._streams[d].wait_stream(torch.cuda.current_stream(d))
 
     def scratch(self, nbytes: int, device: torch.device) -> torch.Tensor:
         with torch.cuda.stream(self._streams[device]):  # owned by the side stream: freed in its order
@@ -249,9 +253,9 @@ def staged_destination(t: torch.Tensor) -> bool:
     return t.device.type != "cpu"
 
 
-def mover_for(needs) -> Any:
+def mover_for(needs, slabs: PinnedSlabs) -> Any:
     cuda = any(d.is_cuda for parts in needs.values() for _, d in parts)
-    return CudaMover() if cuda else HostMover()
+    return CudaMover(slabs.streams) if cuda else HostMover()
 
 
 def read_staged(store, workers, arrays: Dict[str, ArrayMeta], needs, slabs: PinnedSlabs, mover, what: str,

@@ -93,8 +93,8 @@ def read_chunks(store: Storage, workers: Workers, md: Metadata, needs: Needs, st
         staged, needs = device_reads.split_needs(md.arrays, needs, slabs.slab_bytes, device_reads.staged_destination)
         if staged:
             before = stats.bytes_read
-            device_reads.read_staged(store, workers, md.arrays, staged, slabs, device_reads.mover_for(staged), what,
-                                     stats)
+            mover = device_reads.mover_for(staged, slabs)
+            device_reads.read_staged(store, workers, md.arrays, staged, slabs, mover, what, stats)
             stats.device_bytes += stats.bytes_read - before
             stats.pinned_bytes = max(stats.pinned_bytes, slabs.nbytes)
     located, rest = [], []

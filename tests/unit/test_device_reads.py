@@ -125,7 +125,7 @@ def test_strided_and_partial_destinations_scatter_after_their_uploads(staged, tm
                 events.append(("scatter", scratch.untyped_storage().data_ptr()))
             super().scatter(scratch, fn)
 
-    monkeypatch.setattr(device_reads, "mover_for", lambda needs: Recording())
+    monkeypatch.setattr(device_reads, "mover_for", lambda needs, slabs: Recording())
     t_dest = torch.zeros(200, 300).t()               # strided: scratch + scatter
     rows = torch.zeros(300, 1024)                     # rows 500..800 of w: one contiguous byte range, direct
     cols = torch.zeros(1024, 100)                     # a column block: strided in the chunk: scratch + scatter
