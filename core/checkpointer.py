@@ -171,8 +171,8 @@ class Checkpointer:
             job = saver.Job(comm, store, local, full, save_id, old_data, flat.structure, overwrite, blob, info=info)
             run_sync, start_background = job.run_sync, lambda: self._persistent_background(job)
         if not background:
-            with Workers(self.options.threads) as workers:
-                run_sync(workers, data)
+            with copy_out.on_host(self._staging(), local, data) as host, Workers(self.options.threads) as workers:
+                run_sync(workers, host)
             handle.stats["total_s"] = time.perf_counter() - t0
             return handle
 

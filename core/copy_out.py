@@ -9,8 +9,9 @@ in flight; save() then waits on one fence and returns (the sources may change af
 """
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -77,3 +78,20 @@ def start(pool: StagingPool, runner: BackgroundRunner, threads: int, early: Opti
     fence.wait()  # the sources may change once save() returns: their bytes must be out
     done = time.perf_counter()
     handle.stats.update(copy_s=t_wait - t_copy, copy_wait_s=done - t_wait, stall_s=done - t0)
+    if early is not None and early.first_copy is not None:
+        handle.stats["first_copy_s"] = early.first_copy - t0
+
+
+@contextlib.contextmanager
+def on_host(pool: StagingPool, local: LocalPlan, data: Sequence[torch.Tensor]) -> Iterator[Sequence[torch.Tensor]]:
+    """A sync save's sources on the host: device tensors go through a staging slot (pinned, one
+    fence, at the copy engines' speed) instead of one pageable, blocking copy per tensor while
+    the chunks are encoded. Host-only state is written from where it is."""
+    if not any(t.is_cuda for t in data):
+        yield data
+        return
+    slot = pool.acquire()
+    try:
+        yield pool.stage(slot, [(saver.staging_key(w, t), t) for w, t in zip(local.writes, data)])
+    finally:
+        pool.release(slot)

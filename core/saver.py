@@ -175,8 +175,11 @@ class EarlyCopies:
         for i, w in enumerate(plan.writes):
             self._by_key.setdefault(w.key, []).append(i)
         self._buffers: Dict[int, torch.Tensor] = {}
+        self.first_copy: Optional[float] = None  # perf_counter of the first copy (SaveHandle.stats)
 
     def on_tensor(self, entry: TensorEntry) -> None:
+        if self.first_copy is None:
+            self.first_copy = time.perf_counter()
         for i in self._by_key.get(entry.key, ()):
             w = self.plan.writes[i]
             src = source_of(entry, w)
