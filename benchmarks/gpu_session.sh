@@ -27,6 +27,7 @@ for line in sys.stdin:
     print(f\"{r['figure'][:70]:70s} bcp {r['bcp']:.4f} peer {r['peer']:.4f} ratio {r['ratio']} target {r['target']}\")" ;;
     frameworks) timeout ${FRAMEWORKS_S:-200} python3 -m pytest -q -p no:cacheprovider -rfE tests/gpu/test_frameworks_cuda.py \
              2>&1 | tee "$OUT/gpu_frameworks.log" | tail -15 ;;
+    diag) [ -f diag_order.py ] && timeout 60 python3 diag_order.py ;;
     unit) timeout ${UNIT_S:-150} python3 -m pytest -q -p no:cacheprovider -x tests/unit 2>&1 | tail -6 ;;
   esac
   echo "== $step: $(( $(date +%s) - t0 )) s"

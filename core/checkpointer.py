@@ -129,22 +129,10 @@ class Checkpointer:
         self._pending.raise_finished_failures()
         background = self.options.async_save if async_save is None else bool(async_save)
         comm = self._comm(process_group)
-        if tier == "local":
-            tier_state, name = self._local_tier(), local_tier_mod.check_name(path)
-            comm.arrive(self.options.timeout_s, f"local save {name!r}")
-            tier_comm = tier_state.comm(comm)  # collective on first use, so in the foreground
-            tier_state.nodes(comm)
-            begin = lambda: (saver.new_save_id(), None)  # noqa: E731
-        elif tier == "persistent":
-            store = self.storage(path, storage_options)
-            if store.read_only:
-                raise CheckpointError(f"{store.url!r} is read-only ({store.scheme}://): save to a local path, s3:// or "
-                                      f"gs://")
-            comm.arrive(self.options.timeout_s, f"save to {store.url!r}")
-            begin = lambda: saver.begin(store, overwrite, self._read_metadata)  # noqa: E731
-        else:
+        if tier not in ("persistent", "local"):
             raise CheckpointError(f"save: tier must be 'persistent' or 'local', got {tier!r}")
-        # An async save of an unchanged layout starts its copies while the state is walked
+        # An async save of an unchanged layout starts its copies while the state is walked (first:
+        # the target's checks and the peers' arrival run while the copy engines work)
         early = copy_out.early_copies(self._staging(), self._plans, comm.key) if background else None
         t_walk = time.perf_counter()
         try:
@@ -156,6 +144,19 @@ class Checkpointer:
                 flat = manifest = blob = None
                 prepare_error = exc
             t_plan = time.perf_counter()
+            if tier == "local":
+                tier_state, name = self._local_tier(), local_tier_mod.check_name(path)
+                comm.arrive(self.options.timeout_s, f"local save {name!r}")
+                tier_comm = tier_state.comm(comm)  # collective on first use, so in the foreground
+                tier_state.nodes(comm)
+                begin = lambda: (saver.new_save_id(), None)  # noqa: E731
+            else:
+                store = self.storage(path, storage_options)
+                if store.read_only:
+                    raise CheckpointError(f"{store.url!r} is read-only ({store.scheme}://): save to a local path, s3:// "
+                                          f"or gs://")
+                comm.arrive(self.options.timeout_s, f"save to {store.url!r}")
+                begin = lambda: saver.begin(store, overwrite, self._read_metadata)  # noqa: E731
             local, full, save_id, old_data = saver.plan(comm, manifest, self._plans, begin, prepare_error)
             data = saver.sources(flat, local.writes)
         except BaseException:

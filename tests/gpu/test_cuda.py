@@ -125,14 +125,15 @@ def test_load_is_ordered_before_the_callers_next_kernel(tmp_path):
     x = _rand((16 * MiB,), torch.float32, CUDA)
     bcp.save(tmp_path / "c", {"x": x})
     want = x.double().sum().item()
-    for stream in (None, torch.cuda.Stream()):
+    got = {}
+    for name, stream in (("default stream", torch.cuda.current_stream()), ("own stream", torch.cuda.Stream())):
         dest = torch.zeros_like(x)
         torch.cuda.synchronize()
-        ctx = torch.cuda.stream(stream) if stream is not None else torch.cuda.stream(torch.cuda.current_stream())
-        with ctx:
+        with torch.cuda.stream(stream):
             bcp.load(tmp_path / "c", {"x": dest})
             total = dest.double().sum()  # queued right away on the caller's stream
-        assert total.item() == want
+            got[name] = total.item()     # read on that stream too (after the sum)
+    assert got == {"default stream": want, "own stream": want}
 
 
 def test_resharded_and_strided_gpu_destinations(tmp_path):
@@ -232,7 +233,7 @@ def test_warm_up_allocates_pinned_buffers_before_the_first_async_save(tmp_path):
         h.wait()
         assert {k: b.data_ptr() for k, b in pool._slots[0].buffers.items()} == ptrs, "nothing allocated in the save"
         fresh = Net().to(CUDA)
-        ckpt.load(tmp_path / "c", {"model": fresh})
+        ckpt.load(tmp_path / "c", {"model": fresh}, strict=False)
         assert all(torch.equal(p, q) for p, q in zip(model.parameters(), fresh.parameters()))
 
 
