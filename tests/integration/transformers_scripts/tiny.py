@@ -44,4 +44,9 @@ def losses(trainer) -> list:
 
 
 def weights(model) -> dict:
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    """Full CPU copies of the state dict (collective for FSDP2's DTensors: call on every process)."""
+    out = {}
+    for k, v in model.state_dict().items():
+        v = v.full_tensor() if hasattr(v, "full_tensor") else v
+        out[k] = v.detach().clone()
+    return out
