@@ -86,12 +86,12 @@ test-compat: $(STAMP)
 
 # the core (unit + multi-rank tests) on each end of the torch range, one venv per release
 test-compat-torch:
-	set -e; for v in $(TORCH_ENDS); do \
+	failed=; for v in $(TORCH_ENDS); do \
 	  venv=.venv-torch-$$v; \
 	  test -x $$venv/bin/python || python3 -m venv $$venv; \
-	  PIP_CONFIG_FILE=/dev/null $$venv/bin/pip install -q torch==$$v; \
-	  PIP_CONFIG_FILE=/dev/null $$venv/bin/pip install -q torch==$$v -e '.[dev]'; \
-	  $$venv/bin/python -c "import torch; assert torch.__version__.startswith('$$v'), torch.__version__"; \
-	  echo "== torch $$v"; \
-	  $$venv/bin/python -m pytest -q -p no:cacheprovider tests/unit tests/dist; \
-	done
+	  PIP_CONFIG_FILE=/dev/null $$venv/bin/pip install -q torch==$$v && \
+	  PIP_CONFIG_FILE=/dev/null $$venv/bin/pip install -q torch==$$v -e '.[dev]' && \
+	  $$venv/bin/python -c "import torch; assert torch.__version__.startswith('$$v'), torch.__version__" && \
+	  echo "== torch $$v" && \
+	  $$venv/bin/python -m pytest -q -p no:cacheprovider tests/unit tests/dist || failed="$$failed $$v"; \
+	done; test -z "$$failed" || { echo "failed on torch$$failed"; exit 1; }

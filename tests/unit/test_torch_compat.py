@@ -16,7 +16,7 @@ def test_missing_fsdp1_internals_name_version_and_fix():
     assert torch.__version__ in str(err.value) and "Linear._handle" in str(err.value)
     assert "fsdp1_route='sharded_tensor'" in str(err.value)
     flat = types.SimpleNamespace(_fqns=("w",), _shapes=((2, 2),))  # no _contiguities
-    with pytest.raises(TorchCompatError, match=r"_contiguities.*tested with torch 2\.13"):
+    with pytest.raises(TorchCompatError, match=r"_contiguities.*tested with torch 2\.11 to 2\.15"):
         torch_compat.flat_param_info(types.SimpleNamespace(flat_param=flat))
 
 
