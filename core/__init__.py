@@ -15,7 +15,7 @@ from .comm import LOCAL
 from .handles import SaveHandle
 from .checkpointer import Checkpointer, default_checkpointer
 from .local_tier import LocalTier, Restored
-from .api import delete, inspect, is_checkpoint, keep_last, load, load_full, save, verify, wait_pending
+from .api import delete, inspect, is_checkpoint, keep_last, latest, load, load_full, save, verify, wait_pending
 from .flatten import Handler
 from .registry import REGISTRY
 from .inspect import CheckpointInfo, TensorInfo, VerifyReport
@@ -27,7 +27,7 @@ from .retention import RetentionReport
 __version__ = "0.2.0"
 
 __all__ = [
-    "save", "load", "load_full", "keep_last", "RetentionReport", "inspect", "verify", "is_checkpoint", "delete",
+    "save", "load", "load_full", "latest", "keep_last", "RetentionReport", "inspect", "verify", "is_checkpoint", "delete",
     "wait_pending", "Checkpointer", "Options", "default_checkpointer", "LOCAL", "LocalTier", "Restored", "REGISTRY", "Handler",
     "Shard", "FlatShard", "SaveHandle", "CheckpointInfo", "TensorInfo", "VerifyReport", "LoadStats",
     "last_load_stats", "FORMAT_VERSION",

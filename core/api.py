@@ -8,14 +8,17 @@ from .checkpointer import default_checkpointer
 from .handles import SaveHandle
 from .inspect import CheckpointInfo, VerifyReport
 from .retention import RetentionReport
+from .retention import latest as _latest
 
 
 def save(path, state: Dict[str, Any], *, async_save: Optional[bool] = None, process_group=None,
-         overwrite: bool = False, storage_options: Optional[Mapping[str, Any]] = None) -> SaveHandle:
+         overwrite: bool = False, storage_options: Optional[Mapping[str, Any]] = None,
+         step: Optional[int] = None) -> SaveHandle:
     """Save `state` to `path` from every rank of `process_group` (collective). async_save None:
-    the default engine's setting (BCP_ASYNC_SAVE, else synchronous)."""
+    the default engine's setting (BCP_ASYNC_SAVE, else synchronous). step: the training step,
+    recorded in the metadata; `latest` orders checkpoints by it."""
     return default_checkpointer().save(path, state, overwrite=overwrite, async_save=async_save,
-                                       process_group=process_group, storage_options=storage_options)
+                                       process_group=process_group, storage_options=storage_options, step=step)
 
 
 def load(path, state: Dict[str, Any], *, process_group=None, strict: bool = True,
@@ -56,6 +59,18 @@ def is_checkpoint(path, storage_options: Optional[Mapping[str, Any]] = None) -> 
 def delete(path, storage_options: Optional[Mapping[str, Any]] = None) -> None:
     """Remove a checkpoint: the commit point first, so a half-deleted one never looks valid."""
     default_checkpointer().delete(path, storage_options=storage_options)
+
+
+def latest(directory, *, storage_options: Optional[Mapping[str, Any]] = None) -> Optional[str]:
+    """The newest committed checkpoint directly under `directory`, or None (a first launch).
+
+    Skips torn and in-progress checkpoints (no committed metadata.json) and unreadable ones.
+    Newest: the largest `step` given to save() (none counts as -1), then the latest time save()
+    was called; names are not compared (step_9 / step_10 order by their recorded steps). This
+    process alone (no collective): call it on every rank at start-up, before any save. Local
+    directories and object-store prefixes (s3://, gs://, with `storage_options`).
+    docs/elastic.md."""
+    return _latest(default_checkpointer(), directory, storage_options)
 
 
 def keep_last(directory, k: int, *, storage_options: Optional[Mapping[str, Any]] = None, process_group=None,

@@ -13,7 +13,14 @@ Safety rules, in order:
 - A path that an in-flight async save of the Checkpointer targets is never deleted.
 - A checkpoint whose metadata cannot be read is reported, not deleted.
 - Deletion removes metadata.json first (bcp.delete), so a half-deleted checkpoint never looks valid.
-Newest means the save time recorded in the metadata (info.created_unix), then the save id.
+Newest is the order of `latest` (saver.order_key: the step given to save(), then when save() was
+called; the save id breaks ties), so `keep_last` always keeps what `latest` would resume from.
+
+`latest(directory)`: the newest committed checkpoint directly under `directory` (docs/elastic.md):
+
+    path = bcp.latest("ckpts")          # None on a first launch
+    if path is not None:
+        bcp.load(path, state)
 """
 from __future__ import annotations
 
@@ -25,6 +32,7 @@ from typing import Any, List, Optional, Tuple
 from .comm import Comm
 from .errors import CheckpointError
 from .metadata import METADATA_FILE
+from .saver import order_key
 from .storage.specs import split_url
 
 
@@ -73,17 +81,16 @@ def _keep_last(ckpt, directory: str, k: int, storage_options, dry_run: bool, inc
         except CheckpointError:
             report.unreadable.append(path)
             continue
-        created = md.info.get("created_unix")
-        complete.append((float(created) if isinstance(created, (int, float)) else 0.0, md.save_id, path))
+        complete.append((order_key(md.info), md.save_id, path, _created(md.info)))
     complete.sort(reverse=True)
     keep, drop = complete[:k], complete[k:]
-    report.kept = [p for _, _, p in keep]
-    for _, _, path in drop:
+    report.kept = [p for _, _, p, _ in keep]
+    for _, _, path, _ in drop:
         if not dry_run:
             ckpt.delete(path, storage_options=storage_options)
         report.deleted.append(path)
     if incomplete_age is not None and keep and split_url(directory)[0] == "file":
-        oldest_kept = min(c for c, _, _ in keep)
+        oldest_kept = min(c for _, _, _, c in keep)
         now = time.time()
         for path in list(report.incomplete):
             newest = _newest_mtime(path)
@@ -93,6 +100,12 @@ def _keep_last(ckpt, directory: str, k: int, storage_options, dry_run: bool, inc
                 report.incomplete.remove(path)
                 report.removed_incomplete.append(path)
     return report
+
+
+def _created(info) -> float:
+    """When a checkpoint was committed (what crash leftovers are compared with)."""
+    created = info.get("created_unix")
+    return float(created) if isinstance(created, (int, float)) else 0.0
 
 
 def _children(ckpt, directory: str, storage_options) -> List[Tuple[str, bool]]:
@@ -135,8 +148,9 @@ def _newest_mtime(path: str) -> float:
 
 def newest_complete(ckpt, path: str, storage_options) -> Optional[Tuple[Tuple[int, float], str]]:
     """(order key (saver.order_key), path) of `path` itself if it is a complete checkpoint, else of
-    the newest complete checkpoint directly under it; None when there is none."""
-    from .saver import order_key
+    the newest complete checkpoint directly under it; None when there is none. Children without
+    a metadata file (torn, or a save in progress) and children whose metadata cannot be read are
+    skipped; names play no part in the order (step_9 / step_10 sort by what save() recorded)."""
     if ckpt.is_checkpoint(path, storage_options=storage_options):
         return order_key(ckpt.metadata(path, storage_options=storage_options).info), path
     best: Optional[Tuple[Tuple[int, float], str]] = None
@@ -151,3 +165,14 @@ def newest_complete(ckpt, path: str, storage_options) -> Optional[Tuple[Tuple[in
         if best is None or created > best[0]:
             best = (created, child)
     return best
+
+
+def latest(ckpt, directory, storage_options) -> Optional[str]:
+    """The newest committed checkpoint directly under `directory` (or `directory` itself when it
+    is one), by the order of `newest_complete`; None when there is none (or no such directory).
+    This process alone: nothing collective, nothing cached between calls."""
+    if not isinstance(directory, (str, os.PathLike)):
+        raise CheckpointError(f"latest: directory must be a path or URL string, got {type(directory).__name__} "
+                              f"{directory!r:.60}")
+    found = newest_complete(ckpt, os.fspath(directory), storage_options)
+    return None if found is None else found[1]
