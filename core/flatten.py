@@ -50,6 +50,7 @@ class Flat:
     finalizers: List[Callable[[], None]] = field(default_factory=list)
     structure: Any = None
     notes: Dict[str, str] = field(default_factory=dict)  # load: key -> how a value was prepared (LoadStats)
+    undo: List[Callable[[], None]] = field(default_factory=list)  # load: take back what preparing made, on failure
 
 
 # ------------------------------------------------------------------ registry

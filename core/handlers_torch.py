@@ -67,6 +67,8 @@ class OptimizerHandler(Handler):
                 how = optim_state.create_state_from_checkpoint(model, value, find_subtree(walk.saved, join(key, "state")),
                                                                self.names)
                 walk.flat.notes[key] = how
+                if value.state:  # made here from nothing: a failed load leaves the optimizer as it was
+                    walk.flat.undo.append(value.state.clear)
             # still without state (an optimizer not known here): torch's own zero-lr step makes it
             loaded["osd"] = self.names.state_dict(model, value) if value.state else get_optimizer_state_dict(model,
                                                                                                             value)

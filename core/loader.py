@@ -228,8 +228,13 @@ def load(comm: Comm, store: Storage, workers: Workers, md: Metadata, state: Dict
     `shared(comm, md, needs)` plans which chunks one rank reads for others and broadcasts
     (zero-redundancy; or `zero_redundancy.no_sharing`): every other chunk is read locally."""
 
+    prepared: List[Flat] = []  # what preparing made is taken back if the load fails, on any rank
+
     def prepare():
-        flat = flatten_for_load(state, registry, md.structure, fsdp1_route)
+        prepared.append(flatten_for_load(state, registry, md.structure, fsdp1_route))
+        return plan(prepared[0])
+
+    def plan(flat: Flat):
         missing, _ = _check_keys(flat, md, strict)
         saved = structure_leaves(md.structure)
         # a plain value in the target that the checkpoint holds as a container is read whole
@@ -252,8 +257,27 @@ def load(comm: Comm, store: Storage, workers: Workers, md: Metadata, state: Dict
                     targets.append(spec)
         return flat, missing, plan_load(md.tensors, targets), whole
 
-    flat, missing, reads, whole = comm.run(prepare, f"planning the load of {store.url!r}")
-    stats.optimizer_state.update(flat.notes)
+    try:
+        flat, missing, reads, whole = comm.run(prepare, f"planning the load of {store.url!r}")
+        stats.optimizer_state.update(flat.notes)
+        _read_into(comm, store, workers, md, flat, reads, whole, shared, stats, allow_pickle, slabs)
+    except BaseException:
+        for flat in prepared:
+            _undo(flat)
+        raise
+    return state
+
+
+def _undo(flat: Flat) -> None:
+    """Take back what preparing the load made (a fresh optimizer's state): a failed load leaves it
+    as it was."""
+    for fn in reversed(flat.undo):
+        fn()
+
+
+def _read_into(comm: Comm, store: Storage, workers: Workers, md: Metadata, flat: Flat, reads, whole, shared,
+               stats: LoadStats, allow_pickle: bool, slabs) -> None:
+    """Read the planned chunks into their targets, then the plain values; run the finalizers."""
 
     def dest_of(r: ReadItem) -> torch.Tensor:
         if r.key in whole:
@@ -290,7 +314,6 @@ def load(comm: Comm, store: Storage, workers: Workers, md: Metadata, state: Dict
             fin()
 
     comm.run(read_all, f"loading {store.url!r}")
-    return state
 
 
 def load_full(comm: Comm, store: Storage, workers: Workers, md: Metadata, *, keys: Optional[Sequence[str]],

@@ -128,7 +128,9 @@ def _step(p, g, value=0.0):
 
 
 def _like(p, g):
-    return torch.zeros_like(p, memory_format=torch.preserve_format)
+    # torch's first step makes zeros; the load overwrites every tensor made here (only the keys the
+    # checkpoint holds are made), so no fill pass: its pages are touched once, by the read
+    return torch.empty_like(p, memory_format=torch.preserve_format)
 
 
 def _adam_keys(g):

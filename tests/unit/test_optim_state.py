@@ -148,3 +148,28 @@ def test_saving_does_not_change_a_fresh_optimizer(tmp_path):
     bcp.save(tmp_path / "c", {"model": model, "optim": optim})
     assert not optim.state and optim.state_dict() == before
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_failed_resume_leaves_the_fresh_optimizer_without_state(tmp_path):
+    model, optim = _trained(torch.optim.AdamW, {})
+    bcp.save(tmp_path / "c", {"model": model, "optim": optim})
+    wrong_model, wrong = _fresh(torch.optim.AdamW, {})
+    with torch.no_grad():
+        wrong_model.b.weight = nn.Parameter(torch.zeros(5, 4))  # another shape: refused while planning
+    wrong = torch.optim.AdamW(wrong_model.parameters(), lr=0.01)
+    with pytest.raises(bcp.StateMismatchError, match="b.weight"):
+        bcp.load(tmp_path / "c", {"model": wrong_model, "optim": wrong})
+    assert not wrong.state, "the state made for the load was taken back"
+    # a damaged chunk: the read fails after the state was made; it is taken back too
+    import glob
+    import os
+    pack = max(glob.glob(str(tmp_path / "c" / "data-*" / "pack" / "*.bin")), key=os.path.getsize)
+    with open(pack, "r+b") as f:
+        f.seek(100)
+        b = f.read(1)
+        f.seek(100)
+        f.write(bytes([b[0] ^ 1]))
+    fresh_model, fresh = _fresh(torch.optim.AdamW, {})
+    with pytest.raises(bcp.CheckpointError, match="checksum"):
+        bcp.load(tmp_path / "c", {"model": fresh_model, "optim": fresh})
+    assert not fresh.state
