@@ -39,43 +39,13 @@ from typing import Callable, Dict, List
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_real_model import Llama  # noqa: E402
 from figures import figure  # noqa: E402
 
 DIM, FFN, VOCAB = 1024, 2816, 32000
 GiB = 1 << 30
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.attn_norm, self.ffn_norm = nn.RMSNorm(DIM), nn.RMSNorm(DIM)
-        self.q, self.k, self.v, self.o = (nn.Linear(DIM, DIM, bias=False) for _ in range(4))
-        self.gate, self.up = nn.Linear(DIM, FFN, bias=False), nn.Linear(DIM, FFN, bias=False)
-        self.down = nn.Linear(FFN, DIM, bias=False)
-
-    def forward(self, x):
-        h = self.attn_norm(x)
-        x = x + self.o(self.q(h) * torch.sigmoid(self.k(h)) + self.v(h))
-        h = self.ffn_norm(x)
-        return x + self.down(torch.nn.functional.silu(self.gate(h)) * self.up(h))
-
-
-class Llama(nn.Module):
-    def __init__(self, blocks: int):
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, DIM)
-        self.blocks = nn.ModuleList(Block() for _ in range(blocks))
-        self.norm = nn.RMSNorm(DIM)
-        self.head = nn.Linear(DIM, VOCAB, bias=False)
-
-    def forward(self, ids):
-        x = self.embed(ids)
-        for b in self.blocks:
-            x = b(x)
-        return self.head(self.norm(x))
 
 
 def blocks_for(gib: float) -> int:
@@ -86,7 +56,7 @@ def blocks_for(gib: float) -> int:
 
 def fresh_model(blocks: int, device="cuda"):
     with torch.device(device):
-        model = Llama(blocks)
+        model = Llama(blocks, DIM, FFN, VOCAB)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
 
 

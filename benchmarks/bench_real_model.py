@@ -8,9 +8,11 @@ gate/up (688 x 256) / down (256 x 688) weights and 2 norm vectors, final norm, h
 219 parameters, with AdamW's exp_avg / exp_avg_sq / step: ~880 tensors, ~405 MiB.
 
 Cases, each timed as the median of --repeats, interleaved (machine load hits all alike):
-  1 process   bytecheckpoint save (sync) / load into model + optimizer;  DCP save / load through
-              get_state_dict / set_state_dict (its FileSystemWriter fsyncs);  torch.save + fsync,
-              torch.load + load_state_dict
+  1 process   bytecheckpoint save (sync) / load;  DCP save / load through get_state_dict /
+              set_state_dict (its FileSystemWriter fsyncs);  torch.save + fsync, torch.load +
+              load_state_dict. Loads go into a fresh model and a fresh AdamW, as a resume does (built
+              untimed): DCP's get_state_dict runs a zero-lr step to make the optimizer's state,
+              bytecheckpoint makes it from the checkpoint's keys
   FSDP2       2 gloo ranks, fully_shard per block and at the root; bytecheckpoint vs DCP (max over
               ranks)
   objects     files one save writes, divided by ranks, at --blocks and at 4x as many blocks
@@ -39,12 +41,12 @@ DIM, FFN, VOCAB = 256, 688, 32000
 
 
 class Block(nn.Module):
-    def __init__(self):
+    def __init__(self, dim: int = DIM, ffn: int = FFN):
         super().__init__()
-        self.attn_norm, self.ffn_norm = nn.RMSNorm(DIM), nn.RMSNorm(DIM)
-        self.q, self.k, self.v, self.o = (nn.Linear(DIM, DIM, bias=False) for _ in range(4))
-        self.gate, self.up = nn.Linear(DIM, FFN, bias=False), nn.Linear(DIM, FFN, bias=False)
-        self.down = nn.Linear(FFN, DIM, bias=False)
+        self.attn_norm, self.ffn_norm = nn.RMSNorm(dim), nn.RMSNorm(dim)
+        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+        self.gate, self.up = nn.Linear(dim, ffn, bias=False), nn.Linear(dim, ffn, bias=False)
+        self.down = nn.Linear(ffn, dim, bias=False)
 
     def forward(self, x):
         h = self.attn_norm(x)
@@ -54,12 +56,14 @@ class Block(nn.Module):
 
 
 class Llama(nn.Module):
-    def __init__(self, blocks: int):
+    """Llama-shaped: embedding, `blocks` x (attention-like q/k/v/o + gated MLP + 2 norms), norm, head."""
+
+    def __init__(self, blocks: int, dim: int = DIM, ffn: int = FFN, vocab: int = VOCAB):
         super().__init__()
-        self.embed = nn.Embedding(VOCAB, DIM)
-        self.blocks = nn.ModuleList(Block() for _ in range(blocks))
-        self.norm = nn.RMSNorm(DIM)
-        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(Block(dim, ffn) for _ in range(blocks))
+        self.norm = nn.RMSNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
 
     def forward(self, ids):
         x = self.embed(ids)
@@ -68,8 +72,9 @@ class Llama(nn.Module):
         return self.head(self.norm(x))
 
 
-def model_and_optim(blocks: int, fsdp: bool = False):
-    torch.manual_seed(0)
+def model_and_optim(blocks: int, fsdp: bool = False, trained: bool = True):
+    """The model and its AdamW after one step (trained=False: fresh, as a resume builds them)."""
+    torch.manual_seed(0 if trained else 1)
     model = Llama(blocks)
     if fsdp:
         from torch.distributed.fsdp import fully_shard
@@ -77,9 +82,10 @@ def model_and_optim(blocks: int, fsdp: bool = False):
             fully_shard(b)
         fully_shard(model)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model(torch.randint(0, VOCAB, (2, 8))).float().pow(2).mean().backward()
-    optim.step()
-    optim.zero_grad()
+    if trained:
+        model(torch.randint(0, VOCAB, (2, 8))).float().pow(2).mean().backward()
+        optim.step()
+        optim.zero_grad()
     return model, optim
 
 
@@ -134,7 +140,7 @@ def run_case(root: str, blocks: int, repeats: int, fsdp: bool) -> Dict[str, List
         msd, osd = get_state_dict(model, optim)
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=p)
 
-    def dcp_load(p):
+    def dcp_load(p, model, optim):  # a resume: get_state_dict makes the fresh optimizer's state (its step)
         msd, osd = get_state_dict(model, optim)
         sd = {"model": msd, "optim": osd}
         dcp.load(sd, checkpoint_id=p)
@@ -143,7 +149,7 @@ def run_case(root: str, blocks: int, repeats: int, fsdp: bool) -> Dict[str, List
     def torch_save(p):
         torch_save_fsynced({"model": model.state_dict(), "optim": optim.state_dict()}, p)
 
-    def torch_load(p):
+    def torch_load(p, model, optim):
         sd = torch.load(p, weights_only=True)
         model.load_state_dict(sd["model"])
         optim.load_state_dict(sd["optim"])
@@ -157,10 +163,15 @@ def run_case(root: str, blocks: int, repeats: int, fsdp: bool) -> Dict[str, List
         out["dcp_save"].append(timed(lambda: dcp_save(dp)))
         if not fsdp:
             out["torch_save"].append(timed(lambda: torch_save(tp)))
-        out["bcp_load"].append(timed(lambda: ckpt.load(bp, {"model": model, "optim": optim})))
-        out["dcp_load"].append(timed(lambda: dcp_load(dp)))
+        # loads as a resume does them: into a fresh model and a fresh optimizer (built untimed)
+        m, o = model_and_optim(blocks, fsdp, trained=False)
+        out["bcp_load"].append(timed(lambda: ckpt.load(bp, {"model": m, "optim": o})))
+        m, o = model_and_optim(blocks, fsdp, trained=False)
+        out["dcp_load"].append(timed(lambda: dcp_load(dp, m, o)))
         if not fsdp:
-            out["torch_load"].append(timed(lambda: torch_load(tp)))
+            m, o = model_and_optim(blocks, fsdp, trained=False)
+            out["torch_load"].append(timed(lambda: torch_load(tp, m, o)))
+        del m, o
         if rank == 0:
             out["bcp_files"].append(count_files(bp))
             out["dcp_files"].append(count_files(dp))
@@ -284,17 +295,17 @@ def main() -> None:
                "<= 0.8", peer_name="DCP save (fsync)")
         figure(f"real model, 1 process: save vs torch.save + fsync ({b})", median(one["bcp_save"]),
                median(one["torch_save"]), "<= 1.2", peer_name="torch.save + fsync")
-        figure(f"real model, 1 process: load vs DCP ({b})", median(one["bcp_load"]), median(one["dcp_load"]),
-               "<= 0.6", peer_name="DCP load + set_state_dict")
-        figure(f"real model, 1 process: load vs torch.load ({b})", median(one["bcp_load"]), median(one["torch_load"]),
-               "<= 1.5", peer_name="torch.load + load_state_dict")
+        figure(f"real model, 1 process: resume (fresh model + AdamW) vs DCP ({b})", median(one["bcp_load"]),
+               median(one["dcp_load"]), "<= 0.5", peer_name="DCP get_state_dict + load + set_state_dict")
+        figure(f"real model, 1 process: resume (fresh model + AdamW) vs torch.load ({b})", median(one["bcp_load"]),
+               median(one["torch_load"]), "<= 1.5", peer_name="torch.load + load_state_dict")
         figure(f"real model, FSDP2 2 ranks: save vs DCP ({b})", median(two["bcp_save"]), median(two["dcp_save"]),
                "<= 0.6", peer_name="DCP save (fsync)")
         figure(f"real model, DDP 2 ranks: every rank writes its share vs rank 0 alone ({b})", median(ddp["every"]),
                median(ddp["rank0"]), "", peer_name="rank 0 alone (what Fabric/Trainer DDP call)",
                note=f"torch.save + fsync on rank 0: {median(ddp['torch']):.3f} s")
-        figure(f"real model, FSDP2 2 ranks: load vs DCP ({b})", median(two["bcp_load"]), median(two["dcp_load"]),
-               "<= 0.6", peer_name="DCP load + set_state_dict")
+        figure(f"real model, FSDP2 2 ranks: resume (fresh model + AdamW) vs DCP ({b})", median(two["bcp_load"]),
+               median(two["dcp_load"]), "<= 0.5", peer_name="DCP get_state_dict + load + set_state_dict")
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
