@@ -51,7 +51,7 @@ class Staging:
 
     def copy(self, key: BufferKey, src: torch.Tensor) -> torch.Tensor:
         buf = self.slot.buffers.get(key)
-        if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
+        if not _fits(buf, src):
             buf = allocate([src], pinned=_wants_pinned(src))[0]
             self.slot.buffers[key] = buf
         self.live.add(key)
