@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import re
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import bytecheckpoint as bcp
 from bytecheckpoint.comm import Comm
@@ -63,22 +63,44 @@ def agree(acc: Any, ckpt: "bcp.Checkpointer", what: str, route: routes.Route, di
             + ". Nothing was written or read by bytecheckpoint.")
     return views[0][1]
 
+def _numbered(acc: Any) -> List[Tuple[int, str]]:
+    """(number, folder) of every folder under ``<project_dir>/checkpoints`` that has a number in
+    its name, by Accelerate's own rule (the first number of the name: checkpoint_<n>)."""
+    base = os.path.join(acc.project_dir, "checkpoints")
+    if not os.path.isdir(base):
+        return []
+    numbered = []
+    for name in os.listdir(base):
+        found = re.findall(r"([0-9]+)(?=[^/]*$)", name)  # Accelerate's ordering
+        if found:
+            numbered.append((int(found[0]), os.path.join(base, name)))
+    return numbered
+
+
+def continue_naming(acc: Any) -> None:
+    """With automatic naming: move ``project_configuration.iteration`` past every numbered folder
+    (torn ones included), so that the next ``save_state`` names a folder that does not exist yet.
+    Accelerate's ``load_state`` leaves the counter where it was, and its ``save_state`` then
+    refuses ``checkpoint_<n> already exists``: every restart of a job would die on it. Never
+    moves the counter back."""
+    config = acc.project_configuration
+    if not config.automatic_checkpoint_naming:
+        return
+    numbers = [n for n, _ in _numbered(acc)]
+    if numbers and max(numbers) + 1 > config.iteration:
+        logger.info("bytecheckpoint: automatic checkpoint naming continues at checkpoint_%d (was %d)",
+                    max(numbers) + 1, config.iteration)
+        config.iteration = max(numbers) + 1
+
+
 def latest_committed(acc: Any, ckpt: "bcp.Checkpointer", storage: Dict[str, Any]) -> Optional[str]:
     """With automatic naming, load_state() resumes from the newest checkpoint_<n> whose
     bytecheckpoint part was committed (an async save cut short by a crash leaves Accelerate's
     files without it); Accelerate itself would pick the newest folder, committed or not."""
     if not acc.project_configuration.automatic_checkpoint_naming:
         return None
-    base = os.path.join(acc.project_dir, "checkpoints")
-    if not os.path.isdir(base):
-        return None  # Accelerate raises its own error
-    numbered = []
-    for name in os.listdir(base):
-        found = re.findall(r"([0-9]+)(?=[^/]*$)", name)  # Accelerate's ordering
-        if found:
-            numbered.append((int(found[0]), os.path.join(base, name)))
     skipped = []
-    for _, folder in sorted(numbered, reverse=True):
+    for _, folder in sorted(_numbered(acc), reverse=True):
         if _loadable(ckpt, storage, folder):
             if skipped:
                 logger.warning("bytecheckpoint: skipping uncommitted checkpoint(s) %s; resuming from %s", skipped, folder)

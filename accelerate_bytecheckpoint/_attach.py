@@ -122,6 +122,23 @@ class ByteCheckpointAttachment:
         """Block until every async save of the checkpointer is committed; re-raises a failure."""
         self._ckpt.wait()
 
+    def latest(self) -> Optional[str]:
+        """With ``ProjectConfiguration(automatic_checkpoint_naming=True)``: the ``checkpoint_<n>``
+        folder ``load_state()`` resumes from (the highest number whose bytecheckpoint part is
+        committed, or a checkpoint saved without attach), or None when there is none yet (a first
+        launch, or only torn folders). An async save counts once committed. This process alone;
+        for an elastic restart (docs/elastic.md)::
+
+            if attachment.latest() is not None:
+                accelerator.load_state()
+        """
+        acc = self._accelerator
+        if not acc.project_configuration.automatic_checkpoint_naming:
+            raise ValueError("ByteCheckpointAttachment.latest() picks among the automatically named folders: use "
+                             "Accelerator(project_config=ProjectConfiguration(project_dir=..., "
+                             "automatic_checkpoint_naming=True)), or bytecheckpoint.latest(<dir>) for your own folders")
+        return _agreement.latest_committed(acc, self._ckpt, self._storage)
+
     def remove(self) -> None:
         """Wait for pending saves, then restore Accelerate's own save/load behaviour (and close
         the checkpointer if the attachment built it)."""
@@ -211,6 +228,7 @@ class ByteCheckpointAttachment:
             return original(*args, **kwargs)
         # The previous save must be committed before Accelerate may prune folders (total_limit).
         self._ckpt.wait()
+        _agreement.continue_naming(self._accelerator)  # never onto an existing (e.g. torn) checkpoint_<n>
         call = self._begin("save", routes.route_for(self._accelerator, compat.models(self._accelerator)))
         try:
             location = original(*args, **kwargs)
@@ -227,6 +245,7 @@ class ByteCheckpointAttachment:
             return original(*args, **kwargs)
         acc = self._accelerator
         self._ckpt.wait()  # loading what an async save of this process is still writing must see it committed
+        _agreement.continue_naming(acc)  # the next save_state after a restart names a new folder
         route = routes.route_for(acc, compat.models(acc))
         if self._async and not route.sharded and acc.num_processes > 1:
             # The main process may have saved alone, asynchronously: everyone waits for it.
