@@ -45,13 +45,13 @@ clean:
 LIGHTNING_SUITE ?= ../shared/framework_suites/lightning
 ACCELERATE_SUITE ?= ../shared/framework_suites/accelerate
 FRAMEWORKS := $(VENV)/.frameworks
-.PHONY: test-frameworks test-frameworks-lightning test-frameworks-accelerate
+.PHONY: test-frameworks test-frameworks-lightning test-frameworks-accelerate test-frameworks-transformers
 
 $(FRAMEWORKS): $(STAMP)
 	$(PY) -m pip install -q $(TORCH) -e '.[dev,frameworks]'
 	touch $(FRAMEWORKS)
 
-test-frameworks: test-frameworks-lightning test-frameworks-accelerate
+test-frameworks: test-frameworks-lightning test-frameworks-accelerate test-frameworks-transformers
 
 test-frameworks-lightning: $(FRAMEWORKS)
 	BCP_LIGHTNING_ALL=1 $(PY) -m pytest -q tests/integration/test_lightning_fabric.py tests/integration/test_lightning_model_parallel.py
@@ -59,6 +59,12 @@ test-frameworks-lightning: $(FRAMEWORKS)
 
 test-frameworks-accelerate: $(FRAMEWORKS)
 	$(PY) tests/frameworks/run_accelerate.py --suite $(ACCELERATE_SUITE)
+
+# transformers 5.24's test_trainer_checkpointing.py / test_trainer_resume.py with attach(trainer)
+# injected (~1.5 min); the suite's files are not in this repository: tests/frameworks/transformers/ORIGIN.md
+TRANSFORMERS_SUITE ?=
+test-frameworks-transformers: $(FRAMEWORKS)
+	$(PY) tests/frameworks/run_transformers.py $(if $(TRANSFORMERS_SUITE),--suite $(TRANSFORMERS_SUITE))
 
 # ---- the supported version ranges (not part of `make test`) --------------------------------------
 # The adapters' tests on the newest supported Lightning/Accelerate (the main venv) and on the

@@ -354,6 +354,10 @@ class TrainerAttachment:
     def _w_finalize_training(self, original: Callable, trial: Any, num_train_samples: int, start_time: float) -> Any:
         if self._active:
             self._ckpt.wait()  # every checkpoint committed before the best one is loaded or others deleted
+            args = self._trainer.args
+            if args.should_save:  # what rotation kept while saves were in flight goes now, as stock would have
+                folders.rotate(self._ckpt, compat.output_dir(self._trainer, trial), args.save_total_limit,
+                               self._trainer.state.best_model_checkpoint, self._storage)
         return original(trial, num_train_samples, start_time)
 
 

@@ -1,0 +1,123 @@
+"""transformers' own checkpoint tests, as shipped and with `transformers_bytecheckpoint.attach`
+injected into every Trainer.
+
+    .venv/bin/python tests/frameworks/run_transformers.py [--suite DIR] [--injected-only] [--sync]
+    make test-frameworks-transformers
+
+DIR holds transformers' tests/trainer/test_trainer_checkpointing.py, test_trainer_resume.py and
+trainer_test_utils.py (with empty tests/__init__.py and tests/trainer/__init__.py, as upstream);
+default: $TRANSFORMERS_SUITE, else tests/frameworks/transformers/upstream, else
+../shared/framework_suites/transformers. Where they come from: tests/frameworks/transformers/ORIGIN.md.
+The plugin tests/frameworks/transformers/inject.py attaches every Trainer (async saves; --sync:
+synchronous). Both runs are offline (HF_HUB_OFFLINE=1, CPU). Exits non-zero if a test that passes as
+shipped fails injected, unless BY_DESIGN below lists it with the reason, or if nothing was attached.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+PLUGIN_DIR = os.path.join(HERE, "transformers")
+FILES = ("tests/trainer/test_trainer_checkpointing.py", "tests/trainer/test_trainer_resume.py")
+NEEDED = ("pytest_timeout",)
+_C = "tests/trainer/test_trainer_checkpointing.py::"
+_STOCK_FILES = ("checks that every checkpoint folder holds the stock files (model.safetensors, optimizer.pt, "
+                "scheduler.pt: check_saved_checkpoints); with the adapter they are in checkpoint-<step>/bytecheckpoint")
+
+#: test id -> why it differs with attach, by design
+BY_DESIGN = {
+    _C + "TrainerCheckpointSaveTest::test_save_checkpoints": _STOCK_FILES,
+    _C + "TrainerBestModelTest::test_load_best_model_at_end": _STOCK_FILES,
+    _C + "TrainerBestModelTest::test_load_best_model_from_safetensors": _STOCK_FILES,
+    _C + "TrainerBestModelTest::test_save_best_checkpoint": _STOCK_FILES,
+    _C + "TrainerResumeTrainingTest::test_resume_training_with_checkpoint":
+        "rewrites the checkpoint's model.safetensors as a sharded safetensors index (convert_to_sharded_checkpoint) "
+        "before resuming: there is no model.safetensors in an adapter checkpoint",
+    _C + "TrainerResumeTrainingTest::test_resume_training_with_shard_checkpoint":
+        "same as test_resume_training_with_checkpoint (convert_to_sharded_checkpoint)",
+    _C + "TrainerInterruptedTrainingTest::test_resume_batch_order":
+        "reads the model's data-order buffer from checkpoint-<step>/model.safetensors",
+    _C + "TrainerInterruptedTrainingTest::test_resume_from_interrupted_training":
+        "asserts the final checkpoint folder holds model.safetensors (after its resume, which passes)",
+    _C + "TrainerBestModelTest::test_load_best_model_with_save":
+        "compares the loaded best model with the best checkpoint's model.safetensors (its rotation checks, "
+        "before that, pass)",
+    _C + "TrainerBestModelTest::test_load_best_model_with_save_best":
+        "compares the loaded best model with the best checkpoint's model.safetensors",
+}
+
+
+def default_suite() -> str:
+    for candidate in (os.environ.get("TRANSFORMERS_SUITE"), os.path.join(PLUGIN_DIR, "upstream"),
+                      os.path.join(os.path.dirname(REPO), "shared", "framework_suites", "transformers")):
+        if candidate and all(os.path.exists(os.path.join(candidate, f)) for f in FILES):
+            return candidate
+    return os.path.join(PLUGIN_DIR, "upstream")
+
+
+def run(suite: str, inject: bool, sync: bool) -> tuple:
+    log = tempfile.NamedTemporaryFile(prefix="inject_", suffix=".log", delete=False).name
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([suite, REPO, PLUGIN_DIR]), CUDA_VISIBLE_DEVICES="",
+               OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", INJECT_LOG=log, INJECT_ASYNC="0" if sync else "1",
+               BCP_TRANSFORMERS_SUITE="1")
+    # -c /dev/null --rootdir=SUITE: the suite runs under its own (default) pytest settings, not the project's
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", "-c", os.devnull,
+           f"--rootdir={suite}", "--timeout=300", *FILES]
+    if inject:
+        cmd[3:3] = ["-p", "inject"]
+    proc = subprocess.run(cmd, cwd=suite, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=1500)
+    out = proc.stdout
+    failed = sorted(set(re.findall(r"^(?:FAILED|ERROR) (\S+)", out, re.M)))
+    counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|errors?)", out.splitlines()[-1])}
+    with open(log) as f:
+        attached = sum(1 for line in f if "] attached " in line)
+    os.unlink(log)
+    return counts, failed, attached, out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--suite", default=None)
+    p.add_argument("--injected-only", action="store_true")
+    p.add_argument("--sync", action="store_true", help="inject attach(trainer, async_save=False)")
+    args = p.parse_args()
+    suite = os.path.abspath(args.suite or default_suite())
+    if not all(os.path.exists(os.path.join(suite, f)) for f in FILES):
+        print(f"no transformers suite at {suite} ({', '.join(FILES)} and trainer_test_utils.py); see "
+              f"tests/frameworks/transformers/ORIGIN.md; pass --suite DIR (make TRANSFORMERS_SUITE=DIR)")
+        return 2
+    missing = [m for m in NEEDED if subprocess.run([sys.executable, "-c", f"import {m}"], capture_output=True).returncode]
+    if missing:
+        print(f"missing test dependencies {missing}: {sys.executable} -m pip install "
+              f"{' '.join(m.replace('_', '-') for m in missing)} (this target fetches nothing)")
+        return 2
+    results = {}
+    for inject in ((True,) if args.injected_only else (False, True)):
+        results[inject] = run(suite, inject, args.sync)
+        counts, failed, attached, out = results[inject]
+        label = ("with attach" + (" (sync)" if args.sync else " (async)")) if inject else "as shipped"
+        print(f"{label:>20}: {counts}" + (f", {attached} Trainers attached" if inject else ""), flush=True)
+        for t in failed:
+            print(f"    FAILED {t}" + (f"  (by design: {BY_DESIGN[t]})" if inject and t in BY_DESIGN else ""))
+    _, failed, attached, out = results[True]
+    shipped_failed = set(results[False][1]) if False in results else set()
+    regressions = [t for t in failed if t not in shipped_failed and t not in BY_DESIGN]
+    if attached == 0:
+        print("inject did not attach any Trainer: the run proves nothing")
+        return 1
+    if regressions:
+        print("regressions (pass as shipped, fail with attach):\n  " + "\n  ".join(regressions))
+        print(out[-6000:])
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
