@@ -25,6 +25,7 @@ import dataclasses
 import functools
 import logging
 import os
+import time
 from typing import Any, Callable, Dict, List, Optional
 
 import bytecheckpoint as bcp
@@ -174,8 +175,6 @@ class TrainerAttachment:
         self._save(route, call, trial)
 
     def _save(self, route: routes.Route, call: _SaveCall, trial: Any) -> None:
-        import time
-
         tr, args = self._trainer, self._trainer.args
         output_dir = call.output_dir
         sync = self._sync_reason is not None
