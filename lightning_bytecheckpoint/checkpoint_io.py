@@ -160,7 +160,8 @@ class ByteCheckpointIO(CheckpointIO):
 
     def save(self, checkpoint: Dict[str, Any], path: _PATH, options: Optional[Dict[str, Any]] = None,
              process_group: Any = None) -> bcp.SaveHandle:
-        """Save from the ranks of ``process_group`` (``bcp.LOCAL``: this process alone)."""
+        """Save from the ranks of ``process_group`` (``bcp.LOCAL``: this process alone). A Trainer
+        checkpoint's ``global_step`` is recorded as the checkpoint's step."""
         self._wait_for(path)
         if process_group is bcp.LOCAL or _is_global_zero():
             _replace_link_or_file(path, self._legacy)
@@ -170,6 +171,9 @@ class ByteCheckpointIO(CheckpointIO):
         kwargs = self._call_kwargs(options)
         if self.async_save is not None:
             kwargs["async_save"] = self.async_save
+        step = checkpoint.get("global_step")
+        if isinstance(step, int) and not isinstance(step, bool):
+            kwargs["step"] = step  # bcp.latest(dirpath) orders by it (docs/elastic.md)
         if self._checkpointer is None and self._owned is None:  # the default engine, through bytecheckpoint.save
             return bcp.save(str(path), state, overwrite=True, process_group=process_group, **kwargs)
         return self.checkpointer.save(str(path), state, overwrite=True, process_group=process_group, **kwargs)
