@@ -13,7 +13,6 @@ from __future__ import annotations
 import base64
 import itertools
 import math
-import warnings
 from collections.abc import Mapping
 from typing import Dict, Iterator, List, Optional, Sequence
 
@@ -124,12 +123,14 @@ def _pack_parsed(counts: tuple, checksums: Mapping, blocks: int) -> Optional[np.
             lengths = np.fromiter(map(len, checksums.values()), dtype=np.int64, count=n)
             if lengths.min() != blocks or lengths.max() != blocks:
                 return None
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            nums = np.fromstring(",".join(checksums).replace(".", ","), dtype=np.int64, sep=",")
-            idx = np.ravel_multi_index(tuple(nums.reshape(n, len(counts)).T), counts)
-            flat = itertools.chain.from_iterable(checksums.values()) if blocks else checksums.values()
-            values = np.fromiter(flat, dtype="<u4", count=n * width).reshape(n, width)
+        # a malformed name stops numpy's parse early: fewer numbers than the grid needs (no
+        # warnings filter here: filters are process-wide, and this runs on async commit threads)
+        nums = np.fromstring(",".join(checksums).replace(".", ","), dtype=np.int64, sep=",")
+        if nums.size != n * len(counts):
+            return None
+        idx = np.ravel_multi_index(tuple(nums.reshape(n, len(counts)).T), counts)
+        flat = itertools.chain.from_iterable(checksums.values()) if blocks else checksums.values()
+        values = np.fromiter(flat, dtype="<u4", count=n * width).reshape(n, width)
     except (ValueError, TypeError, OverflowError, DeprecationWarning):
         return None
     if np.bincount(idx, minlength=n).max() != 1:

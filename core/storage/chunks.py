@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import warnings
 from typing import Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -34,6 +35,13 @@ try:  # ISA-L's crc32: the zlib polynomial and values, ~4x faster than zlib's (m
     from isal.isal_zlib import crc32 as _crc32
 except ImportError:  # pragma: no cover - optional accelerator
     from zlib import crc32 as _crc32
+
+# torch warns that a read-only buffer (a storage's bytes) makes a writable tensor: these tensors are
+# only ever copied out of. Filtered once, for calls from this module only: a catch_warnings() block
+# around the call would change the process-wide filters while other threads run (loads run here on
+# worker threads; training runs beside an async save).
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning,
+                        module=__name__)
 
 # Chunks are checksummed per block of this many bytes (format 2), the unit of a verified range read.
 BLOCK_BYTES = 1 << 20  # the format's checksum block (recorded per array: readers take it from the metadata)
@@ -379,10 +387,7 @@ def as_uint8(raw) -> torch.Tensor:
 
 
 def _from_bytes(raw: bytes, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-    import warnings
-    with warnings.catch_warnings():  # read-only buffer: we only ever copy out of it
-        warnings.simplefilter("ignore", UserWarning)
-        flat = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+    flat = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
     return flat.view(dtype).view(tuple(shape))
 
 

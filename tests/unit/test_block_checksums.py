@@ -97,3 +97,36 @@ def test_block_checksums_match_zlib():
     assert chunks.block_checksums(data, 1000) == tuple(zlib.crc32(data[i:i + 1000]) for i in range(0, len(data), 1000))
     parts = [data[:333], data[333:2500], data[2500:]]
     assert tuple(chunks._stream_blocks(parts, 1000)) == chunks.block_checksums(data, 1000)
+
+
+def test_reading_checksum_tables_leaves_the_warnings_filters_alone():
+    """Filters are process-wide: a parse on an async commit thread must not make another thread's
+    warnings raise (a DeepSpeed FutureWarning in training did, while a commit parsed names)."""
+    import threading
+    import warnings
+
+    import numpy as np
+
+    from bytecheckpoint import checksums as cs
+    counts = (4, 3)
+    table = {f"{i}.{j}": (i * 3 + j,) for i in range(4) for j in range(3)}
+    seen = []
+    stop = threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            seen.append(list(warnings.filters[:1]))
+
+    before = list(warnings.filters)
+    t = threading.Thread(target=watch)
+    t.start()
+    try:
+        for _ in range(200):
+            assert cs._pack_parsed(counts, table, 1) is not None
+            assert cs._pack_parsed(counts, {**{k: v for k, v in list(table.items())[:-1]}, "3.x": (1,)}, 1) is None
+    finally:
+        stop.set()
+        t.join()
+    assert list(warnings.filters) == before
+    assert all(f == before[:1] for f in seen), "another thread saw a changed warnings filter"
+    assert np.array_equal(cs._pack_parsed(counts, table, 1), np.arange(12, dtype="<u4"))
