@@ -310,6 +310,8 @@ class TrainerAttachment:
                 + (f"It was saved {'with' if other == 'engine' else 'without'} DeepSpeed; resume it with the same "
                    f"kind of training (DeepSpeed <-> non-DeepSpeed checkpoints do not convert)." if other in saved else
                    "It is not a Trainer checkpoint of this adapter."))
+        if route is routes.REPLICATED and _custom_load_state_dict(_model(tr, route)):
+            self._stock_model_load(path)
         state: Dict[str, Any] = {route.model_key: _model(tr, route)}
         if "optimizer" in saved and not route.optimizer_in_model and tr.optimizer is not None:
             state["optimizer"] = getattr(tr.optimizer, "optimizer", tr.optimizer)
@@ -346,9 +348,24 @@ class TrainerAttachment:
         route = routes.route_for(tr)
         path = folders.subdir(best)
         logger.info(f"Loading best model from {best} (score: {tr.state.best_metric}).")
+        if route is routes.REPLICATED and _custom_load_state_dict(_model(tr, route)):
+            self._stock_model_load(path)
+            return
         group = {} if route.collective else {"process_group": bcp.LOCAL}
         # only the model (DeepSpeed: the engine, as the stock deepspeed_load_checkpoint loads it)
         self._ckpt.load(path, {route.model_key: _model(tr, route)}, strict=False, **group, **self._storage)
+
+    def _stock_model_load(self, path: str) -> None:
+        """A model that overrides load_state_dict (it may resize buffers, rename or drop keys) gets
+        it called as the stock Trainer calls it: with the saved state dict, strict=False, missing and
+        unexpected keys logged. (On resume the in-place load that follows restores the optimizer
+        by parameter name and writes the model's tensors again, with the same values.)"""
+        model = _model(self._trainer, routes.REPLICATED)
+        saved = self._ckpt.load_full(path, keys=["model"], process_group=bcp.LOCAL, **self._storage)["model"]
+        result = model.load_state_dict(saved, False)
+        for what, keys in (("missing", result.missing_keys), ("unexpected", result.unexpected_keys)):
+            if keys:
+                logger.warning(f"There were {what} keys in the checkpoint model loaded: {keys}.")
 
     def _w_finalize_training(self, original: Callable, trial: Any, num_train_samples: int, start_time: float) -> Any:
         if self._active:
@@ -364,6 +381,12 @@ def _model(trainer: Any, route: routes.Route) -> Any:
     if route is routes.DEEPSPEED:
         return trainer.model_wrapped  # the DeepSpeedEngine
     return getattr(trainer.model, "_orig_mod", trainer.model)  # FSDP: the wrapped root; torch.compile stripped
+
+
+def _custom_load_state_dict(model: Any) -> bool:
+    import torch
+
+    return type(model).load_state_dict is not torch.nn.Module.load_state_dict
 
 
 def _world(trainer: Any) -> int:

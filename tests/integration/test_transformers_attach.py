@@ -248,3 +248,59 @@ def test_jit_checkpoint_on_sigterm_is_committed_before_exit_and_resumes(tmp_path
     for f in os.listdir(tmp_path):
         assert _folders.committed(bcp.Checkpointer(), str(tmp_path / f), {}), f
     assert "RESUMED 40" in _jit(str(tmp_path), "--attach", "async", "--resume")
+
+
+class _OrderModel(torch.nn.Module):
+    """Logs the data order in a buffer that grows every step, and overrides load_state_dict to
+    resize it on load (as transformers' own test_resume_batch_order model does)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4, bias=False)
+        self.register_buffer("data_order", torch.empty(0, dtype=torch.long))
+
+    def load_state_dict(self, state_dict, strict=True):
+        if "data_order" in state_dict and self.data_order.shape != state_dict["data_order"].shape:
+            self.data_order = state_dict["data_order"].clone()
+        return super().load_state_dict(state_dict, strict=strict)
+
+    def forward(self, input_ids, labels=None):
+        self.data_order = torch.cat([self.data_order, input_ids[:, 0].long()])
+        logits = self.fc(input_ids)
+        return {"loss": torch.nn.functional.cross_entropy(logits, labels), "logits": logits}
+
+
+class _Rows(torch.utils.data.Dataset):
+    def __init__(self):
+        self.x = torch.randn(10, 4, generator=torch.Generator().manual_seed(3))
+        self.x[:, 0] = torch.arange(10)
+        self.y = torch.randint(0, 4, (10,), generator=torch.Generator().manual_seed(4))
+
+    def __len__(self):
+        return 10
+
+    def __getitem__(self, i):
+        return {"input_ids": self.x[i], "labels": self.y[i]}
+
+
+def test_model_overriding_load_state_dict_is_loaded_through_it(tmp_path: Path) -> None:
+    """The stock Trainer loads weights with model.load_state_dict(sd, False): a model that overrides
+    it (here: resizing a buffer that grows every step) is loaded through it with the adapter too."""
+    from transformers import Trainer, set_seed
+
+    def order(out: Path, attached: bool, resume=None):
+        set_seed(0)
+        t = Trainer(model=_OrderModel(), args=training_args(str(out), max_steps=8, save_steps=1, optim="sgd",
+                                                              learning_rate=0.1), train_dataset=_Rows())
+        h = attach(t) if attached else None
+        t.train(resume_from_checkpoint=resume)
+        if h is not None:
+            h.remove()
+        return t.model.data_order.clone()
+
+    for attached in (False, True):
+        out = tmp_path / ("bcp" if attached else "stock")
+        full = order(out, attached)
+        resumed = order(out, attached, resume=str(out / "checkpoint-5"))
+        assert torch.equal(resumed, full), (attached, resumed, full)
+    assert (tmp_path / "bcp" / "checkpoint-5" / "bytecheckpoint").is_dir()
