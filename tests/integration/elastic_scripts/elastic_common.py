@@ -29,6 +29,7 @@ Test-only controls (environment, set by the test or benchmark):
     ELASTIC_GATES=S:W:name,...  before step S, a rank of a world of W waits until the file
                              $ELASTIC_DIR/gates/<name> exists (or the agent restarts it)
     ELASTIC_START_WORLD=W    the first incarnation waits to be restarted until W ranks joined
+    ELASTIC_HIDDEN=H         the hidden width (default 64): parameters + AdamW state = 240 H bytes
 """
 from __future__ import annotations
 
@@ -121,7 +122,8 @@ def slow_writes(checkpointer: Any) -> None:
 
 
 # ---------------------------------------------------------------------- the training problem
-D_IN, D_HIDDEN, D_OUT, BATCH = 16, 64, 4, 8
+D_IN, D_OUT, BATCH = 16, 4, 8
+D_HIDDEN = int(os.environ.get("ELASTIC_HIDDEN", "64"))  # the benchmark sizes the state with it
 
 
 def model():
