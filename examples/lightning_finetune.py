@@ -1,25 +1,29 @@
-"""Fine-tune all-MiniLM-L6-v2 with Lightning DDP and ByteCheckpointIO, lose a node, resume on
-fewer processes, export to Hugging Face safetensors.
+"""Fine-tune all-MiniLM-L6-v2 with Lightning DDP and ByteCheckpointIO under torchrun's elastic
+agent, lose a node, continue on the smaller world, export to Hugging Face safetensors.
 
     python examples/lightning_finetune.py                 # the whole story, ~2 min on 2 CPU cores
     python examples/lightning_finetune.py --max-steps 6 --save-every 2 --stop-at 3   # smoke run
 
 What happens:
-1. `torchrun --nproc_per_node 2` starts `--devices 2` CPU processes (Lightning DDP, gloo; Lightning
-   picks up torchrun's environment) that fine-tune the model on a generated topic dataset and
-   save a checkpoint every `--save-every` steps with `ByteCheckpointIO(async_save=True)`: the
-   training loop only waits for a copy of the state, every rank writes its share in the
-   background.
-2. At step `--stop-at` both processes are SIGKILLed (a lost node: no teardown, no last save).
-3. A new job on `--resume-devices 1` process resumes from the newest *committed* checkpoint
-   (`trainer.fit(ckpt_path=...)`: weights, AdamW moments, step counter) and trains on to
-   `--max-steps`. The same global batch is kept (per-process batch = global / processes).
+1. Two torchrun elastic agents, one per simulated node (`torchrun --nnodes=1:2 --nproc-per-node=1
+   --rdzv-backend=c10d --rdzv-endpoint=... --max-restarts=3`, exactly what each node of a cluster
+   runs; see elastic_job in minilm_task.py), start one CPU process each (Lightning DDP, gloo).
+   They fine-tune the model on a generated topic dataset and save a checkpoint every
+   `--save-every` steps with `ByteCheckpointIO(async_save=True)`: the training loop only waits for
+   a copy of the state, the write happens in the background.
+2. At step `--stop-at` the second node is lost: its agent and its process are SIGKILLed (no
+   teardown, no last save).
+3. The surviving node's agent restarts its process on a world of 1. The same script resumes by
+   itself from the newest *committed* checkpoint (`trainer.fit(ckpt_path=bcp.latest(dir))`:
+   weights, AdamW moments, step counter) and trains on to `--max-steps`, with the same global
+   batch (per-process batch = global / processes). Nothing is launched by hand.
 4. `bytecheckpoint export` turns the final checkpoint into `model.safetensors` +
    config/tokenizer, and `AutoModelForSequenceClassification.from_pretrained` loads it.
 
-The only bytecheckpoint-specific line in the training code is
-`Trainer(plugins=[ByteCheckpointIO(async_save=True)])`. `--checkpoint-io torch` runs the same
-job with Lightning's default `TorchCheckpointIO` for comparison (examples/demo.py does both).
+The bytecheckpoint-specific lines of the training code: `Trainer(plugins=[ByteCheckpointIO(
+async_save=True)])` and `ckpt_path=bcp.latest(dir)`; `num_nodes`/`devices` come from torchrun's
+environment at every (re)start. `--checkpoint-io torch` runs the first job with Lightning's default
+`TorchCheckpointIO` for comparison (examples/demo.py does both).
 """
 from __future__ import annotations
 
@@ -43,24 +47,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--workdir", default="runs/lightning", help="checkpoints, logs and the export go here (wiped)")
     p.add_argument("--max-steps", type=int, default=40)
     p.add_argument("--save-every", type=int, default=8)
-    p.add_argument("--stop-at", type=int, default=20, help="step at which the first job loses its node (0: never)")
-    p.add_argument("--devices", type=int, default=2, help="processes of the first job")
-    p.add_argument("--resume-devices", type=int, default=1, help="processes of the resumed job")
+    p.add_argument("--stop-at", type=int, default=20, help="step at which the second node is lost (0: never)")
+    p.add_argument("--nodes", type=int, default=2, help="torchrun agents (simulated nodes), one process each")
     p.add_argument("--global-batch", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=16)
     p.add_argument("--train-size", type=int, default=2048)
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--checkpoint-io", choices=["bytecheckpoint", "torch"], default="bytecheckpoint")
-    p.add_argument("--no-resume", action="store_true", help="only run the first job (the demo's baseline)")
-    p.add_argument("--timeout", type=float, default=600, help="limit for each job, seconds")
+    p.add_argument("--no-resume", action="store_true", help="stop when the node is lost (the demo's baseline)")
+    p.add_argument("--timeout", type=float, default=600, help="limit for the job, seconds")
     p.add_argument("--results", help="write the summary as JSON here")
-    p.add_argument("--quiet", action="store_true", help="send the jobs' output to WORKDIR/jobs.log")
-    p.add_argument("--phase", choices=["all", "train", "resume"], default="all", help=argparse.SUPPRESS)
-    p.add_argument("--resume-from", help=argparse.SUPPRESS)
+    p.add_argument("--quiet", action="store_true", help="send the job's output to WORKDIR/jobs.log")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
-# ----------------------------------------------------------------------------- training (one job)
+# ----------------------------------------------------------------------------- training (every (re)start)
 
 def make_checkpoint_io(kind: str):
     if kind == "bytecheckpoint":
@@ -71,18 +73,26 @@ def make_checkpoint_io(kind: str):
 
 
 def train(args: argparse.Namespace) -> None:
+    """One start of the training process by torchrun's agent: the first, or a restart on a new
+    world after a node was lost. Resumes from the newest committed checkpoint when there is one."""
+    import datetime
+
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import Callback, ModelCheckpoint
     from lightning.pytorch.strategies import DDPStrategy
     from torch.utils.data import DataLoader
 
+    import bytecheckpoint as bcp
+
+    task.first_launch_waits_for(args.nodes)
     torch.set_num_threads(1)
     pl.seed_everything(0, verbose=False)
-    resuming = args.phase == "resume"
-    devices = args.resume_devices if resuming else args.devices
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     workdir = Path(args.workdir)
-    log = task.RunLog(str(workdir / "log.jsonl"), phase=args.phase)
+    ckpt_dir = workdir / "checkpoints"
+    log = task.RunLog(str(workdir / "log.jsonl"), phase="resume" if restarted else "train")
     train_data, eval_data = task.make_datasets(args.train_size, seq_len=args.seq_len)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
 
     class TopicClassifier(pl.LightningModule):
         def __init__(self) -> None:
@@ -114,62 +124,67 @@ def train(args: argparse.Namespace) -> None:
                           path=os.path.basename(filepath))
 
     class Story(Callback):
-        """Simulated node loss, and the timings of a resume."""
+        """The simulated node loss, and the timings of a resume."""
 
         def __init__(self) -> None:
             self.first = True
             self.eval_loss = None
 
         def on_train_start(self, trainer, pl_module):
-            if resuming and trainer.is_global_zero:
+            self.ready = time.time()  # restored; the first step starts now (the evaluation is the demo's)
+            if restarted and trainer.is_global_zero:
                 self.eval_loss = task.evaluate(pl_module.model, eval_data)["loss"]
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             if self.first and trainer.is_global_zero:
-                log.write(event="resumed" if resuming else "started", step=trainer.global_step,
-                          world_size=trainer.world_size, resume_s=time.time() - T_PROCESS_START,
-                          load_s=getattr(io, "load_s", None), eval_loss=self.eval_loss)
+                log.write(event="resumed" if restarted else "started", step=trainer.global_step,
+                          world_size=trainer.world_size, resume_s=self.ready - T_PROCESS_START,
+                          ready_unix=self.ready, load_s=getattr(io, "load_s", None), eval_loss=self.eval_loss)
             self.first = False
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            if not resuming and trainer.global_step == args.stop_at:
-                if hasattr(io, "checkpointer"):
-                    # The story is the resume: the node is lost once the save in flight has
-                    # committed (under DDP the main process writes it alone, like Lightning's own
-                    # default; the other process waits for it, or the launcher would stop the main
-                    # one as soon as it dies). A loss in the middle of a save is covered by
-                    # tests/faults: an uncommitted checkpoint is never loaded, the previous one is.
-                    if trainer.is_global_zero:
-                        io.checkpointer.wait()
-                    trainer.strategy.barrier("node-loss")
-                task.lose_this_node(log if trainer.is_global_zero else None, trainer.global_step)
+            if restarted or trainer.global_step != args.stop_at or trainer.world_size < 2:
+                return
+            if hasattr(io, "checkpointer"):
+                # The story is the resume: the node is lost once the save in flight has
+                # committed (under DDP the main process writes it alone, like Lightning's own
+                # default). A loss in the middle of a save is tested in tests/integration/
+                # test_elastic.py: an uncommitted checkpoint is never loaded, the previous one is.
+                if trainer.is_global_zero:
+                    io.checkpointer.wait()
+            trainer.strategy.barrier("node-loss")
+            if trainer.global_rank == trainer.world_size - 1:  # the last node is lost
+                task.lose_this_node(task.RunLog(log.path, phase="train"), trainer.global_step)
 
     io = make_checkpoint_io(args.checkpoint_io)
     _time_loads(io)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=devices, max_steps=args.max_steps, max_epochs=-1,
-        strategy=DDPStrategy(process_group_backend="gloo") if devices > 1 else "auto",
+        accelerator="cpu",
+        num_nodes=int(os.environ.get("GROUP_WORLD_SIZE", 1)),   # torchrun's, at every (re)start
+        devices=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
+        strategy=DDPStrategy(process_group_backend="gloo", timeout=datetime.timedelta(seconds=120)),
+        max_steps=args.max_steps, max_epochs=-1,
         plugins=[io],
-        callbacks=[Story(), TimedCheckpoint(dirpath=workdir / "checkpoints", filename="step{step:03d}",
+        callbacks=[Story(), TimedCheckpoint(dirpath=ckpt_dir, filename="step{step:03d}",
                                             auto_insert_metric_name=False, every_n_train_steps=args.save_every,
                                             save_top_k=-1)],
         logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
         limit_val_batches=0,
     )
     module = TopicClassifier()
-    loader = DataLoader(train_data, batch_size=args.global_batch // devices, shuffle=True, drop_last=True)
-    trainer.fit(module, loader, ckpt_path=args.resume_from if resuming else None)
-    if resuming:
-        final = str(workdir / "checkpoints" / "final.ckpt")
-        trainer.save_checkpoint(final)
-        # fit() has already torn the plugin down, so nothing else waits for this async save before
-        # the process exits: wait here, so that a failure is raised instead of lost.
-        trainer.strategy.checkpoint_io.teardown()
-        if trainer.is_global_zero:
-            task.save_hf_config(module.model, str(workdir / "hf_config"))
-            ev = task.evaluate(module.model, eval_data)
-            log.write(event="final", step=trainer.global_step, path=final, eval_loss=ev["loss"],
-                      accuracy=ev["accuracy"])
+    loader = DataLoader(train_data, batch_size=args.global_batch // world, shuffle=True, drop_last=True)
+    resume_from = bcp.latest(ckpt_dir) if args.checkpoint_io == "bytecheckpoint" else None
+    trainer.fit(module, loader, ckpt_path=resume_from)   # None: a first launch
+    final = str(ckpt_dir / "final.ckpt")
+    trainer.save_checkpoint(final)
+    # fit() has already torn the plugin down, so nothing else waits for this async save before
+    # the process exits: wait here, so that a failure is raised instead of lost.
+    trainer.strategy.checkpoint_io.teardown()
+    if trainer.is_global_zero:
+        task.save_hf_config(module.model, str(workdir / "hf_config"))
+        ev = task.evaluate(module.model, eval_data)
+        log.write(event="final", step=trainer.global_step, path=final, eval_loss=ev["loss"],
+                  accuracy=ev["accuracy"])
 
 
 def _time_loads(io) -> None:
@@ -188,50 +203,34 @@ def _time_loads(io) -> None:
 
 # ----------------------------------------------------------------------------- the story
 
-def is_committed(kind: str):
-    if kind == "bytecheckpoint":
-        import bytecheckpoint as bcp
-        return lambda p: bcp.is_checkpoint(str(p))
-    return lambda p: p.is_file()
-
-
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    if args.phase != "all":
+    if args.worker:
         train(args)
         return {}
     workdir = Path(args.workdir).resolve()
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
-    script = os.path.abspath(__file__)
     common = ["--workdir", str(workdir), "--max-steps", str(args.max_steps), "--save-every", str(args.save_every),
-              "--stop-at", str(args.stop_at), "--devices", str(args.devices), "--resume-devices",
-              str(args.resume_devices), "--global-batch", str(args.global_batch), "--seq-len", str(args.seq_len),
-              "--train-size", str(args.train_size), "--lr", str(args.lr), "--checkpoint-io", args.checkpoint_io]
-    env = {"BCP_COLLECTIVE_TIMEOUT_S": "120"}
-
-    print(f"== 1. train on {args.devices} processes ({args.checkpoint_io}), node lost at step {args.stop_at}")
+              "--stop-at", str(args.stop_at), "--nodes", str(args.nodes), "--global-batch", str(args.global_batch),
+              "--seq-len", str(args.seq_len), "--train-size", str(args.train_size), "--lr", str(args.lr),
+              "--checkpoint-io", args.checkpoint_io, "--worker"]
+    print(f"== 1. train on {args.nodes} nodes ({args.checkpoint_io}) under torchrun's elastic agent; the last node "
+          f"is lost at step {args.stop_at}" + ("" if args.no_resume else "; the survivors go on by themselves"))
     results = {"example": "lightning", "checkpoint_io": args.checkpoint_io, "args": vars(args)}
-    log_path = str(workdir / "log.jsonl")
     output = str(workdir / "jobs.log") if args.quiet else None
-    results["train_s"] = task.run_phase([*task.launcher(args.devices, script), "--phase", "train", *common],
-                                        timeout=args.timeout, env=env, killed_log=log_path if 0 < args.stop_at < args.max_steps else None,
-                                        label="training job", output=output)
-    if not args.no_resume:
-        latest = task.latest_step_dir((workdir / "checkpoints").glob("step*.ckpt"), is_committed(args.checkpoint_io))
-        if latest is None:
-            raise SystemExit("no committed checkpoint to resume from")
-        print(f"\n== 2. resume on {args.resume_devices} process(es) from {latest.name}")
-        results["resume_job_s"] = task.run_phase([*task.launcher(args.resume_devices, script), "--phase", "resume",
-                                                  "--resume-from", str(latest), *common],
-                                                 timeout=args.timeout, env=env, label="resumed job", output=output)
-        if args.checkpoint_io == "bytecheckpoint":
-            print("\n== 3. export to Hugging Face safetensors and reload with from_pretrained")
-            _, eval_data = task.make_datasets(16, seq_len=args.seq_len)
-            results.update(task.export_and_reload(
-                str(workdir / "checkpoints" / "final.ckpt"), str(workdir / "hf_export"), str(workdir / "hf_config"),
-                eval_data, ["--key", "state_dict", "--prefix", "model."], output=output))
-    results.update(task.summarize(task.RunLog.read(str(workdir / "log.jsonl"))))
+    job = task.elastic_job(os.path.abspath(__file__), common, nodes=args.nodes, timeout=args.timeout,
+                           max_restarts=0 if args.no_resume else 3, output=output, label="training job")
+    results["train_s"] = job["wall_s"]
+    records = task.RunLog.read(str(workdir / "log.jsonl"))
+    task.check_exits(job, records, args, output)
+    if not args.no_resume and args.checkpoint_io == "bytecheckpoint":
+        print("\n== 2. export to Hugging Face safetensors and reload with from_pretrained")
+        _, eval_data = task.make_datasets(16, seq_len=args.seq_len)
+        results.update(task.export_and_reload(
+            str(workdir / "checkpoints" / "final.ckpt"), str(workdir / "hf_export"), str(workdir / "hf_config"),
+            eval_data, ["--key", "state_dict", "--prefix", "model."], output=output))
+    results.update(task.summarize(records))
     task.report(results)
     if args.results:
         Path(args.results).write_text(json.dumps(results, indent=1, default=str))

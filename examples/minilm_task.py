@@ -14,12 +14,10 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -144,20 +142,29 @@ class RunLog:
 
 
 def lose_this_node(log: Optional[RunLog], step: int) -> None:
-    """Simulate losing the machine: SIGKILL, no teardown, no final save, in-flight writes cut."""
+    """Simulate losing the machine this process runs on: SIGKILL its torchrun agent and itself; no
+    teardown, no final save, in-flight writes cut. The other nodes' agents notice (the collectives
+    of their workers break, the lost node's rendezvous heartbeat stops) and restart their workers
+    on a smaller world."""
     if log is not None:
         log.write(event="killed", step=step)
     sys.stdout.flush()
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        os.kill(os.getppid(), signal.SIGKILL)  # the node's agent (this worker's parent)
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-# ------------------------------------------------------------------ running the phases
+def first_launch_waits_for(nodes: int) -> None:
+    """A job that starts at its full size: the first launch of a worker that finds fewer than
+    `nodes` nodes in its world (the other agents were slower than the rendezvous' last call) waits
+    for its agent to restart it when they join. Restarts after a lost node are not held."""
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0 and \
+            int(os.environ.get("GROUP_WORLD_SIZE", nodes)) < nodes:
+        time.sleep(300)
+        sys.exit(f"only {os.environ.get('GROUP_WORLD_SIZE')} of {nodes} nodes joined within 300 s")
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
+# ------------------------------------------------------------------ running the jobs
 
 def run_phase(cmd: Sequence[str], *, timeout: float, env: Optional[Dict[str, str]] = None,
               killed_log: Optional[str] = None, label: str = "", output: Optional[str] = None) -> float:
@@ -204,27 +211,101 @@ def run_phase(cmd: Sequence[str], *, timeout: float, env: Optional[Dict[str, str
     return time.perf_counter() - t0
 
 
-def launcher(nproc: int, script: str) -> List[str]:
-    """The command that starts `script` on `nproc` local processes: torchrun (all ranks start at
-    once), or plain python for a single process (no process group at all)."""
-    if nproc == 1:
-        return [sys.executable, script]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            "--max_restarts=0", "--monitor_interval=0.5", script]
+#: torchrun's c10d rendezvous, tuned for fast recovery (docs/elastic.md): a lost node is dropped
+#: 3 s after its last heartbeat, a smaller round closes 1 s after it has enough nodes.
+RDZV_CONF = "join_timeout=120,last_call_timeout=1,close_timeout=10,keep_alive_interval=1,keep_alive_max_attempt=3"
+ELASTIC_ENV = {
+    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",  # torch 2.13: without it a node joining a running job hangs
+    "BCP_DEAD_PEER_S": "5",                    # an async save gives up on a dead peer after 5 s (default 30)
+}
 
 
-def latest_step_dir(candidates: Iterable[Path], is_committed) -> Optional[Path]:
-    """The candidate with the highest step number (digits in its name) that is committed."""
-    import re
-    numbered = []
-    for p in candidates:
-        digits = re.findall(r"\d+", p.name)
-        if digits:
-            numbered.append((int(digits[-1]), p))
-    for _, p in sorted(numbered, reverse=True):
-        if is_committed(p):
-            return p
-    return None
+def _descendants(pid: int) -> List[int]:
+    kids: Dict[int, List[int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        kids.setdefault(int(stat[stat.rindex(")") + 2:].split()[1]), []).append(int(name))
+    out, todo = [], [pid]
+    while todo:
+        for child in kids.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _kill_tree(pid: int) -> None:
+    """A torchrun agent and its workers (torchrun starts each in a session of its own)."""
+    for p in [pid, *_descendants(pid)]:
+        try:
+            os.killpg(os.getpgid(p), signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def elastic_job(script: str, args: Sequence[str], *, nodes: int, timeout: float, max_restarts: int = 3,
+                env: Optional[Dict[str, str]] = None, output: Optional[str] = None, label: str = "") -> Dict[str, Any]:
+    """Run `script` under torchrun's elastic agent on `nodes` simulated nodes of this machine: one
+    agent per node (`--nnodes=1:<nodes> --nproc-per-node=1`, c10d rendezvous, `--max-restarts`), as
+    on a cluster where every node runs the same torchrun command. The rendezvous store is hosted
+    here, standing for the rendezvous endpoint (a host that outlives the nodes: torchrun's c10d
+    rendezvous does not survive the loss of the node that hosts it). Returns the wall time and
+    each agent's exit code; whatever is left after `timeout` is killed."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, multi_tenant=True, wait_for_workers=False)
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes=1:{nodes}", "--nproc-per-node=1",
+           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{store.port}", f"--rdzv-id=example-{os.getpid()}",
+           f"--rdzv-conf={RDZV_CONF},is_host=false", f"--max-restarts={max_restarts}", "--monitor-interval=0.1",
+           "--local-addr=127.0.0.1", script, *args]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **ELASTIC_ENV, **(env or {})}
+    full_env.pop("LOCAL_RANK", None)
+    print(f"\n$ {' '.join(cmd)}   (one per node, {nodes} nodes)" + (f"  > {output}" if output else ""), flush=True)
+    sink = open(output, "a") if output else None
+    t0 = time.perf_counter()
+    agents = [subprocess.Popen(cmd, env=full_env, start_new_session=True, stdout=sink,
+                               stderr=subprocess.STDOUT if sink else None) for _ in range(nodes)]
+    codes: List[Optional[int]] = [None] * nodes
+    try:
+        deadline = time.monotonic() + timeout
+        while any(c is None for c in codes) and time.monotonic() < deadline:
+            time.sleep(0.1)
+            codes = [a.poll() for a in agents]
+    finally:
+        for a in agents:
+            _kill_tree(a.pid)
+        if sink:
+            sink.close()
+        del store
+    if any(c is None for c in codes):
+        tail = ""
+        if output:
+            with open(output) as f:
+                tail = "\n" + "".join(f.readlines()[-40:])
+        raise SystemExit(f"{label or script}: timed out after {timeout:.0f}s{tail}")
+    return {"wall_s": time.perf_counter() - t0, "exit_codes": codes}
+
+
+def check_exits(job: Dict[str, Any], records: List[Dict[str, Any]], args: Any, output: Optional[str]) -> None:
+    """The job went as the story says: the node was lost at --stop-at (its agent SIGKILLed) and,
+    unless --no-resume (no restarts: the survivors stop), a survivor finished the training."""
+    def fail(why: str):
+        tail = ""
+        if output:
+            with open(output) as f:
+                tail = "\n" + "".join(f.readlines()[-60:])
+        raise SystemExit(f"training job: {why} (agent exit codes {job['exit_codes']}){tail}")
+
+    killed = any(r.get("event") == "killed" for r in records)
+    if 0 < args.stop_at < args.max_steps and args.nodes > 1 and not killed:
+        fail("finished without losing its node (is --stop-at < --max-steps?)")
+    if not args.no_resume and (0 not in job["exit_codes"] or not any(r.get("event") == "final" for r in records)):
+        fail("no node finished the training")
 
 
 def export_and_reload(checkpoint: str, out: str, config_dir: str, eval_data: TensorDataset,
@@ -261,7 +342,8 @@ def summarize(records: List[Dict[str, Any]], stop_phase: str = "train", resume_p
     if resumed:
         r = resumed[0]
         out.update(resumed_from=r["step"], resume_world=r["world_size"], resume_s=r.get("resume_s"),
-                   load_s=r.get("load_s"), eval_after_resume=r.get("eval_loss"))
+                   load_s=r.get("load_s"), eval_after_resume=r.get("eval_loss"),
+                   recovery_s=r.get("ready_unix", r["time"]) - killed[0]["time"] if killed else None)
         at_save = [s for s in saves if s["step"] == r["step"]]
         out["eval_at_save"] = at_save[0].get("eval_loss") if at_save else None
         before = [loss[stop_phase][s] for s in sorted(loss[stop_phase]) if s <= r["step"]][-3:]
@@ -283,8 +365,9 @@ def report(r: Dict[str, Any]) -> None:
               ", ".join(f"step {s}: {t:.2f}s" for s, t in zip(r["save_steps"], r["stall_s"])))
     if "resumed_from" in r:
         load = f" (checkpoint load {r['load_s']:.2f}s)" if r.get("load_s") is not None else ""
-        print(f"lost the node at step {r['killed_at']}; resumed from step {r['resumed_from']} on {r['resume_world']} "
-              f"process(es); process start -> first step {r['resume_s']:.1f}s{load}")
+        print(f"lost the node at step {r['killed_at']}; torchrun restarted the survivors, which resumed from step "
+              f"{r['resumed_from']} on {r['resume_world']} process(es): node lost -> first step "
+              f"{r['recovery_s']:.1f}s, of which process start -> first step {r['resume_s']:.1f}s{load}")
         if r.get("eval_at_save") is not None and r.get("eval_after_resume") is not None:
             print(f"held-out loss of the saved weights: {r['eval_at_save']:.6f} when saved, "
                   f"{r['eval_after_resume']:.6f} after the resume")
