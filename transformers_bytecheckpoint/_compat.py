@@ -25,7 +25,7 @@ from typing import Any, Callable, Dict, Tuple
 import transformers
 
 #: transformers versions the adapter is tested with (docs/transformers.md).
-TESTED = "5.24.0"
+TESTED = "5.18.0 to 5.24.0"
 
 #: private method -> (parameters after self, what the adapter needs it for)
 PRIVATE: Dict[str, Tuple[Tuple[str, ...], str]] = {
