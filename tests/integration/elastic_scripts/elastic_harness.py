@@ -124,9 +124,9 @@ class Cluster:
                 "--local-addr=127.0.0.1", self.script, *self.args]
 
     def start(self, node: str) -> None:
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="",
-                   ELASTIC_DIR=self.workdir, ELASTIC_NODE=node, LOGLEVEL=os.environ.get("ELASTIC_LOGLEVEL", "INFO"),
-                   **NO_SHARED_STORE, **self.env)
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": "",
+               "ELASTIC_DIR": self.workdir, "ELASTIC_NODE": node,
+               "LOGLEVEL": os.environ.get("ELASTIC_LOGLEVEL", "INFO"), **NO_SHARED_STORE, **self.env}
         env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, HERE, env.get("PYTHONPATH")) if p)
         if any(p.poll() is None for p in self.agents.values()):
             self.changes.append(time.time())
