@@ -183,12 +183,11 @@ def test_fsdp1_saved_on_2_resumed_on_1_as_fsdp1_and_fsdp2(tmp_path: Path, ddp: P
 # ---------------------------------------------------------------------------------------- DeepSpeed (CPU)
 
 DS_ENV = {"DS_ACCELERATOR": "cpu"}
-# DeepSpeed runs save synchronously here. With async saves they failed 3 times in ~10 runs, from a core
-# bug (reported): checksums._pack_parsed, on the background commit thread, turns every warning of the
-# process into an error for a moment (warnings.catch_warnings + simplefilter("error") are process-wide);
-# DeepSpeed warns on its steps (FutureWarning: all_gather_into_tensor is deprecated), which then raises
-# in the training thread. The async DeepSpeed route itself passed every other run (2 -> ZeRO-3 on 1).
-DS_SAVE = "sync"
+# DeepSpeed runs save asynchronously. They once failed 3 times in ~10 runs from a core bug, since
+# fixed: checksums._pack_parsed, on the background commit thread, made every warning of the process an
+# error for a moment (warnings.catch_warnings + simplefilter("error") are process-wide), and DeepSpeed's
+# per-step FutureWarning then raised in the training thread (tests/unit/test_block_checksums.py).
+DS_SAVE = "async"
 
 
 @pytest.mark.parametrize("save_stage,load_stage", [(2, 3), (3, 1)])
