@@ -9,7 +9,8 @@ from typing import Dict, List, Set
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = {"bytecheckpoint": ROOT / "core", "lightning_bytecheckpoint": ROOT / "lightning_bytecheckpoint",
-            "accelerate_bytecheckpoint": ROOT / "accelerate_bytecheckpoint"}
+            "accelerate_bytecheckpoint": ROOT / "accelerate_bytecheckpoint",
+            "transformers_bytecheckpoint": ROOT / "transformers_bytecheckpoint"}
 MAX_LINES = 500
 
 
