@@ -100,13 +100,11 @@ def main() -> None:
     torch.set_num_threads(1)
     ec.hold_until_full()
     ckpt_dir = os.path.join(ec.DIR, "ckpt")
-    elastic = "TORCHELASTIC_RUN_ID" in os.environ
     resume_from = bcp.latest(ckpt_dir)
     report = Report(resume_from)
-    ddp = DDPStrategy(process_group_backend="gloo", timeout=datetime.timedelta(seconds=60))
     trainer = L.Trainer(
         accelerator="cpu",
-        strategy=ddp if elastic else "auto",  # the reference run is one plain process
+        strategy=DDPStrategy(process_group_backend="gloo", timeout=datetime.timedelta(seconds=60)),
         num_nodes=int(os.environ.get("GROUP_WORLD_SIZE", 1)),
         devices=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
         max_steps=ec.STEPS,
