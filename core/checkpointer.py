@@ -337,6 +337,12 @@ class Checkpointer:
         return apply_retention(self, directory, k, storage_options=storage_options, comm=self._comm(process_group),
                          dry_run=dry_run, remove_incomplete_older_than_s=remove_incomplete_older_than_s)
 
+    def latest(self, directory, *, storage_options: Any = _UNSET) -> Optional[str]:
+        """The newest committed checkpoint under `directory`, or None (see bcp.latest)."""
+        from .retention import latest
+        self._check_open()
+        return latest(self, directory, storage_options)
+
     def pending_paths(self) -> List[str]:
         """Targets of this instance's async saves that are still running."""
         return self._pending.paths()

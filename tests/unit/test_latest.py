@@ -163,3 +163,15 @@ def test_a_step_must_be_an_int(tmp_path):
     with pytest.raises(bcp.CheckpointError, match="directory must be a path"):
         bcp.latest(None)
 
+
+
+def test_checkpointer_latest_is_bcp_latest(tmp_path):
+    import torch
+    with bcp.Checkpointer() as ckpt:
+        assert ckpt.latest(tmp_path) is None
+        ckpt.save(tmp_path / "a", {"x": torch.ones(1)}, step=3)
+        ckpt.save(tmp_path / "b", {"x": torch.ones(1)}, step=2)
+        assert ckpt.latest(tmp_path) == bcp.latest(tmp_path)
+        assert ckpt.latest(tmp_path).rstrip("/").endswith("a")
+    with pytest.raises(bcp.CheckpointerClosedError):
+        ckpt.latest(tmp_path)
