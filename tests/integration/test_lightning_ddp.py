@@ -108,6 +108,23 @@ if __name__ == "__main__":
     _script(sys.argv[1:])
     leave(0)
 
+if __name__ == "__mp_main__":  # a ddp_spawn worker: Lightning's launcher re-imports this file in it
+    # A worker whose job is done (results sent to the main process) leaves without finalizing, as
+    # the main process does: Lightning never destroys its gloo group, whose threads race Python's
+    # finalization (tests/integration/_leave.py; seen here as an abort at a worker's exit, rc -6).
+    import atexit
+
+    from _leave import leave
+    from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+
+    _run_worker = _MultiProcessingLauncher._wrapping_function
+
+    def _run_worker_then_leave(self, *args, **kwargs):
+        _run_worker(self, *args, **kwargs)
+        atexit.register(leave, 0)  # only after a clean return: a failing worker keeps its exit code
+
+    _MultiProcessingLauncher._wrapping_function = _run_worker_then_leave
+
 # ----------------------------------------------------------------------------------- the tests
 
 import bytecheckpoint as bcp  # noqa: E402

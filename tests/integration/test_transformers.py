@@ -147,6 +147,7 @@ def fsdp2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return t
 
 
+@pytest.mark.slow  # make test-slow: other layouts of the same Trainer route
 def test_fsdp2_saved_on_2_resumed_on_1_bit_exact_with_stock(fsdp2: Path) -> None:
     # Accelerate enables FSDP on GPU backends only; trainer_run.py forces its FSDP path on CPU/gloo
     assert_same_run(dump(fsdp2 / "bcp.pt"), dump(fsdp2 / "stock.pt"), "continuous FSDP2 run")
@@ -158,6 +159,7 @@ def test_fsdp2_saved_on_2_resumed_on_1_bit_exact_with_stock(fsdp2: Path) -> None
     assert bcp.inspect(str(fsdp2 / "bcp" / "checkpoint-4" / "bytecheckpoint")).world_size == 2  # every rank its part
 
 
+@pytest.mark.slow  # make test-slow: other layouts of the same Trainer route
 def test_fsdp1_saved_on_2_resumed_on_1_as_fsdp1_and_fsdp2(tmp_path: Path, ddp: Path) -> None:
     """FSDP1 (flat parameters; FULL_STATE_DICT set, with which the stock Trainer gathers a full
     model.safetensors into every checkpoint): the attached run is the stock FSDP1 run bit for bit;
@@ -190,6 +192,7 @@ DS_ENV = {"DS_ACCELERATOR": "cpu"}
 DS_SAVE = "async"
 
 
+@pytest.mark.slow  # make test-slow
 @pytest.mark.parametrize("save_stage,load_stage", [(2, 3), (3, 1)])
 def test_deepspeed_saved_on_2_resumed_on_1_other_stage(tmp_path: Path, ddp: Path, save_stage: int, load_stage: int) -> None:
     """ZeRO-<save_stage> on 2 processes, resumed on 1 process as ZeRO-<load_stage> (the stock Trainer
@@ -211,6 +214,7 @@ def test_deepspeed_saved_on_2_resumed_on_1_other_stage(tmp_path: Path, ddp: Path
     assert loaded["info"]["global_step"] == 6
 
 
+@pytest.mark.slow  # make test-slow: other layouts of the same Trainer route
 def test_deepspeed_zero1_resumed_on_2_bit_exact_with_stock(tmp_path: Path) -> None:
     """Where the stock Trainer can resume (DeepSpeed's own checkpoint, same world size and stage):
     the attached ZeRO-1 resume is the same run, bit for bit (fp32 master weights, losses, step)."""
