@@ -5,7 +5,7 @@ STAMP  := $(VENV)/.installed
 # torch is pinned to the CPU wheel on this disk; installed first so nothing resolves a CUDA build.
 TORCH  := torch==2.13.0
 
-.PHONY: install test test-faults demo bench clean
+.PHONY: install test test-faults test-slow demo bench clean
 
 install: $(STAMP)
 
@@ -17,10 +17,14 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not faults" tests
+	$(PY) -m pytest -q -m "not faults and not slow" tests
 
 test-faults: $(STAMP)
 	$(PY) -m pytest -q -m faults tests
+
+# more layouts of routes `make test` already covers (transformers.Trainer under FSDP1/FSDP2/DeepSpeed)
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow tests
 
 demo: $(STAMP)
 	$(PY) examples/demo.py
