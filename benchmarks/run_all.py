@@ -100,8 +100,9 @@ def table(runs: Dict[str, Any]) -> str:
             verdict = "" if ok is None else ("met" if ok else "**missed**")
             peer = f["peer_name"] or "peer"
             label = f"{f['figure']} (vs {peer})"
+            where = f" (from {os.path.relpath(r['ingested'], ROOT)})" if r.get("ingested") else ""
             out.append(f"| {label} | {fmt(f['bcp'])} | {fmt(f['peer'])} | {f.get('unit', 's')} | {fmt(f['ratio'])} | "
-                       f"{f['target']} | {verdict} | {name}{' (quick)' if r.get('quick') else ''} |")
+                       f"{f['target']} | {verdict} | {name}{' (quick)' if r.get('quick') else ''}{where} |")
     return "\n".join(out)
 
 
@@ -163,6 +164,9 @@ def main(argv=None) -> int:
             text = f.read()
         runs[name] = {"script": name, "exit": 0, "seconds": None, "quick": "--quick" in text[:200],
                       "figures": parse(text), "when": time.strftime("%Y-%m-%d %H:%M"), "ingested": log}
+    if args.ingest:  # kept for later runs of other scripts
+        with open(store, "w") as f:
+            json.dump(runs, f, indent=1)
     for name in ([] if args.ingest else scripts(args.names)):
         runs[name] = run(name, args.quick)
         if runs[name]["exit"]:
