@@ -27,6 +27,7 @@ import torch
 from . import dtypes
 from .errors import CheckpointError
 from .metadata import ArrayMeta
+from .staging import Fence
 from .storage import chunks, packs
 
 SLAB_BYTES = 4 << 20          # one read request at most (a multiple of the 1 MiB checksum block)
@@ -145,7 +146,7 @@ class PinnedSlabs:
             slab = torch.empty(self.slab_bytes, dtype=torch.uint8, pin_memory=self.pin)
             self._slabs[i] = slab
         if event is not None:
-            event.synchronize()  # the last copies out of this slab have finished
+            event.wait()  # the last copies out of this slab have finished
         return i, slab
 
     def release(self, i: int, event: Any = None) -> None:
@@ -159,7 +160,7 @@ class PinnedSlabs:
         with self._cond:
             pending = [e for _, e in self._free if e is not None]
         for e in pending:
-            e.synchronize()
+            e.wait()
 
     def free(self) -> None:
         self.drain()
@@ -230,22 +231,13 @@ class CudaMover:
                 ev = torch.cuda.Event()
                 ev.record(self._streams[d])
                 events.append(ev)
-        return _Events(events) if events else None
+        return Fence(events) if events else None
 
     def finish(self) -> None:
         for d, stream in self._streams.items():
             ev = torch.cuda.Event()
             ev.record(stream)
             torch.cuda.current_stream(d).wait_event(ev)
-
-
-class _Events:
-    def __init__(self, events):
-        self.events = events
-
-    def synchronize(self) -> None:
-        for e in self.events:
-            e.synchronize()
 
 
 # ---------------------------------------------------------------------- the pipeline
@@ -279,9 +271,10 @@ def read_staged(store, workers, arrays: Dict[str, ArrayMeta], needs, slabs: Pinn
     lock = threading.Lock()
     failed: List[BaseException] = []
 
-    def run(seg: packs.Run) -> Tuple[int, Optional[BaseException]]:
+    def run(seg: packs.Run) -> int:
+        """Bytes read; a failure is kept in `failed` (every segment is waited for, then it is raised)."""
         if failed:  # another segment failed: read no more, the load raises that error
-            return 0, None
+            return 0
         i, slab = slabs.acquire()
         event = None
         try:
@@ -303,15 +296,15 @@ def read_staged(store, workers, arrays: Dict[str, ArrayMeta], needs, slabs: Pinn
             for land in done:
                 _scatter(land, mover)
             event = mover.record(devices)
-            return size, None
+            return size
         except BaseException as exc:  # noqa: BLE001 - every segment is accounted for, then raised
             failed.append(exc)
-            return 0, exc
+            return 0
         finally:
             slabs.release(i, event)
 
     try:
-        for nbytes, _ in workers.map(run, segments):  # waits for every segment, failed or not
+        for nbytes in workers.map(run, segments):  # waits for every segment, failed or not
             if nbytes:
                 stats.bytes_read += nbytes
                 stats.reads += 1
