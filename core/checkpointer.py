@@ -136,13 +136,8 @@ class Checkpointer:
         early = copy_out.early_copies(self._staging(), self._plans, comm.key) if background else None
         t_walk = time.perf_counter()
         try:
-            try:
-                flat, manifest, blob = _prepare(state, self.registry, self.options.fsdp1_route,
-                                                early.on_tensor if early is not None else None)
-                prepare_error = None
-            except Exception as exc:  # noqa: BLE001 - every rank raises it, from saver.plan
-                flat = manifest = blob = None
-                prepare_error = exc
+            flat, manifest, blob, prepare_error = _prepare(state, self.registry, self.options.fsdp1_route,
+                                                           early.on_tensor if early is not None else None)
             t_plan = time.perf_counter()
             if tier == "local":
                 tier_state, name = self._local_tier(), local_tier_mod.check_name(path)
@@ -191,12 +186,7 @@ class Checkpointer:
         self._check_open()
         comm = self._comm(process_group)
         comm.arrive(self.options.timeout_s, "warm-up")
-        try:
-            flat, manifest, _ = _prepare(state, self.registry, self.options.fsdp1_route)
-            prepare_error = None
-        except Exception as exc:  # noqa: BLE001 - every rank raises it, from saver.plan
-            flat = manifest = None
-            prepare_error = exc
+        flat, manifest, _, prepare_error = _prepare(state, self.registry, self.options.fsdp1_route)
         local, _, _, _ = saver.plan(comm, manifest, self._plans, lambda: (saver.new_save_id(), None), prepare_error)
         data = saver.sources(flat, local.writes)
         return self._staging().prepare([(saver.staging_key(w, t), t) for w, t in zip(local.writes, data)])
@@ -460,9 +450,14 @@ class Checkpointer:
 
 
 def _prepare(state: Dict[str, Any], registry: TypeRegistry, fsdp1_route: str, on_tensor=None):
-    flat = flatten_for_save(state, registry, fsdp1_route, on_tensor)
-    manifest, blob = saver.manifest_and_blob(flat)
-    return flat, manifest, blob
+    """(flat, manifest, objects blob, None), or (None, None, None, the error) when this rank cannot
+    prepare its state: saver.plan then raises it on every rank."""
+    try:
+        flat = flatten_for_save(state, registry, fsdp1_route, on_tensor)
+        manifest, blob = saver.manifest_and_blob(flat)
+    except Exception as exc:  # noqa: BLE001 - every rank raises it, from saver.plan
+        return None, None, None, exc
+    return flat, manifest, blob, None
 
 
 def _same_target(a: str, b: str) -> bool:
