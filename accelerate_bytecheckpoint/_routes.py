@@ -95,7 +95,7 @@ def _holds_dtensor(models: Iterable[Any]) -> bool:
 
 def engine_has_fsdp1() -> bool:
     """The engine saves FSDP1 (FullyShardedDataParallel) modules through its flat-shard route."""
-    return importlib.util.find_spec("bytecheckpoint.fsdp1") is not None
+    return importlib.util.find_spec("bytecheckpoint.state.fsdp1") is not None
 
 
 def _engine_version() -> str:

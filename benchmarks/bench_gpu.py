@@ -92,7 +92,7 @@ def timed(fn: Callable[[], object]) -> float:
 # ---------------------------------------------------------------------- copy limit
 
 def copy_limit(tensors: List[torch.Tensor], repeats: int) -> Dict[str, float]:
-    from bytecheckpoint.staging import allocate
+    from bytecheckpoint.pipeline.staging import allocate
     bufs = allocate(tensors, pinned=True)
     d2h, h2d = [], []
     for _ in range(repeats):

@@ -35,13 +35,13 @@ import time
 
 import json
 
-from bytecheckpoint import planner
+from bytecheckpoint.planning import planner
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from figures import figure  # noqa: E402  (benchmarks/figures.py: the FIGURE lines run_all.py collects)
-from bytecheckpoint.metadata import Metadata, ObjectFileMeta
+from bytecheckpoint.format.metadata import Metadata, ObjectFileMeta
 from bytecheckpoint.storage.chunks import chunk_name, chunks_in_box
-from bytecheckpoint.planner import TargetSpec, TensorManifest, plan_load, plan_save
+from bytecheckpoint.planning.planner import TargetSpec, TensorManifest, plan_load, plan_save
 
 # compact manifests (regular layouts described once per tensor); None: the planner before them,
 # where ranks send their box lists
@@ -83,7 +83,7 @@ def rank_manifest(world: int, tensors: int, layout: str, rank: int):
 
 
 def payloads(world: int, tensors: int, layout: str):
-    """What each rank sends to the coordinator (pickled), as saver._plan sends it."""
+    """What each rank sends to the coordinator (pickled), as save_plan.plan sends it."""
     if pack_manifest is None:
         return [pickle.dumps(rank_manifest(world, tensors, layout, r)) for r in range(world)]
     first = pack_manifest(rank_manifest(world, tensors, layout, 0), None)
@@ -105,7 +105,7 @@ def payloads(world: int, tensors: int, layout: str):
 def blocks_of(a) -> int:
     """Checksums per chunk the writers report: one per BLOCK_BYTES block (format 2+), else one."""
     try:
-        from bytecheckpoint.metadata import blocks_per_chunk
+        from bytecheckpoint.format.metadata import blocks_per_chunk
         from bytecheckpoint.storage.chunks import BLOCK_BYTES
     except ImportError:  # format 1: one crc32 per chunk, as an int
         return 0
@@ -126,8 +126,8 @@ def with_checksums(plan, rng):
 
 
 def build_metadata(plan, world: int, sums):
-    from bytecheckpoint import commit
-    from bytecheckpoint.metadata import FORMAT_VERSION
+    from bytecheckpoint.pipeline import commit
+    from bytecheckpoint.format.metadata import FORMAT_VERSION
     tensors = {k: _rooted_tensor(t) for k, t in plan.tensors.items()}
     if FORMAT_VERSION >= 5:  # every chunk's (pack, offset): one pack per rank, chunks back to back
         packs = tuple(f"{DATA_DIR}/pack/{r}-0.bin" for r in range(world))
@@ -150,7 +150,7 @@ def build_metadata(plan, world: int, sums):
 def _rooted_tensor(t):
     if hasattr(t, "rooted"):
         return t.rooted(DATA_DIR)
-    from bytecheckpoint.metadata import RegionMeta, TensorMeta
+    from bytecheckpoint.format.metadata import RegionMeta, TensorMeta
     return TensorMeta(t.key, t.dtype, t.shape, t.layout, t.holders,
                       tuple(RegionMeta(r.offsets, r.lengths, f"{DATA_DIR}/{r.array}", r.array_offsets, r.writer)
                             for r in t.regions))
@@ -165,7 +165,7 @@ def crc_table_bytes(raw: bytes) -> int:
 
 def commit_payload(plan, rank: int) -> int:
     """Bytes rank `rank` sends the coordinator at commit today: its object-file entry and the
-    crc32 of every chunk it wrote (saver._write_local -> commit.collect_by_collective)."""
+    crc32 of every chunk it wrote (write.write_local -> commit.collect_by_collective)."""
     writes = planner.rank_part(plan, rank).writes if hasattr(planner, "rank_part") else plan.writes[rank]
     sums = {}
     for w in writes:

@@ -138,14 +138,14 @@ class StallParts:
     """Times the steps of an async save on the training thread (bench-only instrumentation)."""
 
     def __init__(self):
-        from bytecheckpoint import checkpointer, saver, staging, workers
-        from bytecheckpoint.comm import Comm
+        from bytecheckpoint.pipeline import save_plan, staging, workers
+        from bytecheckpoint.dist.comm import Comm
         self.parts: Dict[str, float] = {}
         self.on = False
         self.thread = threading.main_thread()  # only the training thread's calls count
         for label, owner, name in (("arrival check (monitored barrier)", Comm, "arrive"),
-                                   ("flatten + manifest", checkpointer, "_prepare"),
-                                   ("plan check + failure agreement (cached: one all-reduce + broadcast)", saver,
+                                   ("flatten + manifest", save_plan, "prepare"),
+                                   ("plan check + failure agreement (cached: one all-reduce + broadcast)", save_plan,
                                     "plan"),
                                    ("copy into the staging slot", staging.StagingPool, "stage"),
                                    ("background thread start", workers.BackgroundRunner, "submit")):

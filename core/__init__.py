@@ -7,22 +7,33 @@
     with bcp.Checkpointer(async_save=True, storage_options=opts) as ckpt:   # the engine as an object
         ckpt.save(path, state); ckpt.load(path, state)
 """
-from .errors import (CheckpointError, CheckpointerClosedError, CheckpointExistsError, CheckpointNotFoundError,
-                     CorruptCheckpointError, FormatVersionError, IncompleteCheckpointError, MetadataError,
-                     PeerTimeoutError, RemoteRankError, ShardLayoutError, StateMismatchError)
-from .shards import FlatShard, Shard
-from .comm import LOCAL
-from .handles import SaveHandle
-from .checkpointer import Checkpointer, default_checkpointer
-from .local_tier import LocalTier, Restored
 from .api import delete, inspect, is_checkpoint, keep_last, latest, load, load_full, save, verify, wait_pending
-from .flatten import Handler
-from .registry import REGISTRY
-from .inspect import CheckpointInfo, TensorInfo, VerifyReport
-from .loader import LoadStats
-from .metadata import FORMAT_VERSION
-from .options import Options
-from .retention import RetentionReport
+from .catalog.inspect import CheckpointInfo, TensorInfo, VerifyReport
+from .catalog.retention import RetentionReport
+from .checkpointer import Checkpointer, default_checkpointer
+from .common.errors import (
+    CheckpointerClosedError,
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    FormatVersionError,
+    IncompleteCheckpointError,
+    MetadataError,
+    PeerTimeoutError,
+    RemoteRankError,
+    ShardLayoutError,
+    StateMismatchError,
+)
+from .common.options import Options
+from .common.shards import FlatShard, Shard
+from .dist.comm import LOCAL
+from .format.metadata import FORMAT_VERSION
+from .pipeline.handles import SaveHandle
+from .pipeline.load import LoadStats
+from .state.flatten import Handler
+from .state.registry import REGISTRY
+from .tiers.local import LocalTier, Restored
 
 __version__ = "0.2.0"
 

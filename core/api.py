@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence
 
+from .catalog.inspect import CheckpointInfo, VerifyReport
+from .catalog.retention import RetentionReport
+from .catalog.retention import latest as _latest
 from .checkpointer import default_checkpointer
-from .handles import SaveHandle
-from .inspect import CheckpointInfo, VerifyReport
-from .retention import RetentionReport
-from .retention import latest as _latest
+from .pipeline.handles import SaveHandle
 
 
 def save(path, state: Dict[str, Any], *, async_save: Optional[bool] = None, process_group=None,
@@ -75,7 +75,7 @@ def latest(directory, *, storage_options: Optional[Mapping[str, Any]] = None) ->
 
 def keep_last(directory, k: int, *, storage_options: Optional[Mapping[str, Any]] = None, process_group=None,
               dry_run: bool = False, remove_incomplete_older_than_s: Optional[float] = None) -> RetentionReport:
-    """Delete all but the newest `k` complete checkpoints under `directory` (see retention.py)."""
+    """Delete all but the newest `k` complete checkpoints under `directory` (see catalog/retention.py)."""
     return default_checkpointer().keep_last(directory, k, storage_options=storage_options,
                                             process_group=process_group, dry_run=dry_run,
                                             remove_incomplete_older_than_s=remove_incomplete_older_than_s)

@@ -9,7 +9,7 @@ It owns the staging pool, the background runner and per-operation worker threads
 saves, the plan cache, a metadata cache, the host list per process group, the tensorstore
 Context and the opened storages. Two instances with different options work side by side;
 `close()` waits for pending saves and frees all of it. `bcp.save` / `bcp.load` are thin calls on
-a default instance built from the environment (see options.py).
+a default instance built from the environment (see common/options.py).
 """
 from __future__ import annotations
 
@@ -21,21 +21,27 @@ import time
 from collections import OrderedDict
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
-from . import inspect as inspection
-from . import copy_out, device_reads, loader, restoring, saver, zero_redundancy
-from . import local_tier as local_tier_mod
-from .comm import LOCAL, Comm
-from .errors import CheckpointError, CheckpointerClosedError
-from .flatten import TypeRegistry, flatten_for_save, top_level_placeholders
-from .handles import PendingSaves, SaveHandle
-from .local_tier import LocalTier, Restored
-from .metadata import METADATA_FILE, Metadata
-from .options import Options
-from .registry import REGISTRY
-from .staging import StagingPool
+from .catalog import inspect as inspection
+from .common.errors import CheckpointerClosedError, CheckpointError
+from .common.options import Options
+from .dist import zero_redundancy
+from .dist.comm import LOCAL, Comm
+from .format.metadata import METADATA_FILE, Metadata
+from .pipeline import device_reads
+from .pipeline import load as loader
+from .pipeline import save as saving
+from .pipeline.handles import PendingSaves, SaveHandle
+from .pipeline.save_plan import PlanCache
+from .pipeline.staging import StagingPool
+from .pipeline.workers import BackgroundRunner, Workers
+from .pipeline.write import PersistentTarget
+from .state.flatten import TypeRegistry, top_level_placeholders
+from .state.registry import REGISTRY
 from .storage import Storage, faults
-from .storage_cache import StorageCache
-from .workers import BackgroundRunner, Workers
+from .storage.cache import StorageCache
+from .tiers import local as local_tier_mod
+from .tiers import restoring
+from .tiers.local import LocalTier, Restored
 
 log = logging.getLogger("bytecheckpoint")
 _UNSET: Any = object()  # "the instance's own setting" for per-call overrides
@@ -84,7 +90,7 @@ class Checkpointer:
         self.fault_rules = faults.Rules(fault_rules)  # test-only storage faults (storage/faults.py)
         self._pending = PendingSaves()
         self._runner = BackgroundRunner()
-        self._plans = saver.PlanCache()
+        self._plans = PlanCache()
         self._pool: Optional[StagingPool] = None
         self._slabs: Optional[device_reads.PinnedSlabs] = None
         self._metadata: "OrderedDict[str, tuple]" = OrderedDict()
@@ -129,53 +135,15 @@ class Checkpointer:
         self._pending.raise_finished_failures()
         background = self.options.async_save if async_save is None else bool(async_save)
         comm = self._comm(process_group)
-        if tier not in ("persistent", "local"):
-            raise CheckpointError(f"save: tier must be 'persistent' or 'local', got {tier!r}")
-        # An async save of an unchanged layout starts its copies while the state is walked (first:
-        # the target's checks and the peers' arrival run while the copy engines work)
-        early = copy_out.early_copies(self._staging(), self._plans, comm.key) if background else None
-        t_walk = time.perf_counter()
-        try:
-            flat, manifest, blob, prepare_error = _prepare(state, self.registry, self.options.fsdp1_route,
-                                                           early.on_tensor if early is not None else None)
-            t_plan = time.perf_counter()
-            if tier == "local":
-                tier_state, name = self._local_tier(), local_tier_mod.check_name(path)
-                comm.arrive(self.options.timeout_s, f"local save {name!r}")
-                tier_comm = tier_state.comm(comm)  # collective on first use, so in the foreground
-                tier_state.nodes(comm)
-                begin = lambda: (saver.new_save_id(), None)  # noqa: E731
-            else:
-                store = self.storage(path, storage_options)
-                if store.read_only:
-                    raise CheckpointError(f"{store.url!r} is read-only ({store.scheme}://): save to a local path, s3:// "
-                                          f"or gs://")
-                comm.arrive(self.options.timeout_s, f"save to {store.url!r}")
-                begin = lambda: saver.begin(store, overwrite, self._read_metadata)  # noqa: E731
-            local, full, save_id, old_data = saver.plan(comm, manifest, self._plans, begin, prepare_error)
-            data = saver.sources(flat, local.writes)
-        except BaseException:
-            copy_out.release(early)
-            raise
-        handle = SaveHandle(str(path), pending=self._pending)
-        handle.stats.update(walk_s=t_plan - t_walk, plan_s=time.perf_counter() - t_plan)
         if tier == "local":
-            job = local_tier_mod.LocalJob(tier_state, comm, tier_comm, name, local, full, save_id, flat.structure,
-                                          blob, info)
-            run_sync, start_background = job.run, lambda: (job.run, job.heartbeat)
+            target = local_tier_mod.LocalTarget(self._local_tier(), path, self.options.timeout_s)
+        elif tier == "persistent":
+            target = PersistentTarget(lambda: self.storage(path, storage_options), overwrite, self._read_metadata,
+                                      self.options.timeout_s, self.options.dead_peer_s)
         else:
-            job = saver.Job(comm, store, local, full, save_id, old_data, flat.structure, overwrite, blob, info=info)
-            run_sync, start_background = job.run_sync, lambda: self._persistent_background(job)
-        if not background:
-            with copy_out.on_host(self._staging(), local, data) as host, Workers(self.options.threads) as workers:
-                run_sync(workers, host)
-            handle.stats["total_s"] = time.perf_counter() - t0
-            return handle
-
-        copy_out.start(self._staging(), self._runner, self.options.threads, early, local, data, start_background,
-                         handle, lambda: self._closed, t0)
-        self._pending.add(handle)
-        return handle
+            raise CheckpointError(f"save: tier must be 'persistent' or 'local', got {tier!r}")
+        return saving.save(self._save_resources(), target, comm, state, background=background, path=str(path),
+                           info=info, t0=t0)
 
     def warm_up(self, state: Dict[str, Any], *, process_group: Any = _UNSET) -> int:
         """Prepare async saves of `state` ahead of the first one (collective, like save): plan it
@@ -184,18 +152,11 @@ class Checkpointer:
         exists in full (e.g. after the first optimizer step, which creates Adam's moments).
         Nothing is copied or written; returns the bytes of staging memory allocated."""
         self._check_open()
-        comm = self._comm(process_group)
-        comm.arrive(self.options.timeout_s, "warm-up")
-        flat, manifest, _, prepare_error = _prepare(state, self.registry, self.options.fsdp1_route)
-        local, _, _, _ = saver.plan(comm, manifest, self._plans, lambda: (saver.new_save_id(), None), prepare_error)
-        data = saver.sources(flat, local.writes)
-        return self._staging().prepare([(saver.staging_key(w, t), t) for w, t in zip(local.writes, data)])
+        return saving.warm_up(self._save_resources(), self._comm(process_group), state, self.options.timeout_s)
 
-    def _persistent_background(self, job: "saver.Job"):
-        """The background write of a persistent save, and how to start its heartbeat (on the job's
-        thread: peers can tell from then on that this rank is alive)."""
-        board = job.board(self.options.timeout_s, self.options.dead_peer_s)
-        return (lambda workers, data: job.run_background(workers, data, board)), lambda: board.heartbeat().start()
+    def _save_resources(self) -> saving.SaveResources:
+        return saving.SaveResources(self.registry, self.options.fsdp1_route, self.options.threads, self._plans,
+                                    self._staging, self._runner, self._pending, lambda: self._closed)
 
     def load(self, path, state: Dict[str, Any], *, strict: bool = True, allow_pickle: bool = False,
              process_group: Any = _UNSET, storage_options: Any = _UNSET, tier: str = "persistent") -> Dict[str, Any]:
@@ -251,7 +212,7 @@ class Checkpointer:
         local = restoring.local_choice(self._local_tier(), comm) if self._tier is not None else None
         newest = None
         if persistent is not None:
-            from .retention import newest_complete
+            from .catalog.retention import newest_complete
             newest = comm.run_on_coordinator(
                 lambda: newest_complete(self, os.fspath(persistent), storage_options), "finding the newest checkpoint")
         if local is not None and local.name is not None and (newest is None or
@@ -321,15 +282,15 @@ class Checkpointer:
 
     def keep_last(self, directory, k: int, *, storage_options: Any = _UNSET, process_group: Any = _UNSET,
                   dry_run: bool = False, remove_incomplete_older_than_s: Optional[float] = None):
-        """Delete all but the newest `k` complete checkpoints under `directory` (see retention.py)."""
-        from .retention import apply_retention
+        """Delete all but the newest `k` complete checkpoints under `directory` (see catalog/retention.py)."""
+        from .catalog.retention import apply_retention
         self._check_open()
         return apply_retention(self, directory, k, storage_options=storage_options, comm=self._comm(process_group),
                          dry_run=dry_run, remove_incomplete_older_than_s=remove_incomplete_older_than_s)
 
     def latest(self, directory, *, storage_options: Any = _UNSET) -> Optional[str]:
         """The newest committed checkpoint under `directory`, or None (see bcp.latest)."""
-        from .retention import latest
+        from .catalog.retention import latest
         self._check_open()
         return latest(self, directory, storage_options)
 
@@ -447,17 +408,6 @@ class Checkpointer:
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointerClosedError("this Checkpointer was closed; create a new one (or use bcp.save/load)")
-
-
-def _prepare(state: Dict[str, Any], registry: TypeRegistry, fsdp1_route: str, on_tensor=None):
-    """(flat, manifest, objects blob, None), or (None, None, None, the error) when this rank cannot
-    prepare its state: saver.plan then raises it on every rank."""
-    try:
-        flat = flatten_for_save(state, registry, fsdp1_route, on_tensor)
-        manifest, blob = saver.manifest_and_blob(flat)
-    except Exception as exc:  # noqa: BLE001 - every rank raises it, from saver.plan
-        return None, None, None, exc
-    return flat, manifest, blob, None
 
 
 def _same_target(a: str, b: str) -> bool:

@@ -18,7 +18,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
 
 import bytecheckpoint as bcp
-from bytecheckpoint.torch_compat import strided_shard_class
+from bytecheckpoint.common.torch_compat import strided_shard_class
 from scenarios_fsdp1 import full_state as full_state_and_groups
 from scenarios_fsdp1 import rank_world, train
 

@@ -29,8 +29,8 @@ import time
 from typing import Any, Callable, Dict, List, Optional
 
 import bytecheckpoint as bcp
-from bytecheckpoint.comm import Comm
-from bytecheckpoint.flatten import top_level_placeholders
+from bytecheckpoint.dist.comm import Comm
+from bytecheckpoint.state.flatten import top_level_placeholders
 
 from . import _compat as compat
 from . import _folders as folders

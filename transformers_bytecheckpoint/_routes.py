@@ -11,7 +11,7 @@ of the stock `_save_checkpoint` / resume:
 * SHARDED (FSDP 1 and 2, DTensor parameters from tensor parallel loading): every process saves
   and loads its part collectively (each process's RNG states as its own plain values).
 * DEEPSPEED (ZeRO 1/2/3): collective; the engine (fp32 master weights, optimizer state, bf16/fp16
-  weights) is saved from each rank's own partition (core/deepspeed_compat.py), the scheduler
+  weights) is saved from each rank's own partition (core/state/deepspeed_engine.py), the scheduler
   beside it. DeepSpeed's own `save_checkpoint` does not run.
 * refused: XLA/TPU and SageMaker model parallel (their checkpoints belong to their runtimes).
 """

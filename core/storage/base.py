@@ -134,7 +134,7 @@ class Storage(abc.ABC):
 def check_key_inside(key: str, url: str) -> None:
     """A key (or prefix) names something inside the checkpoint root: relative, no '.'/'..' parts.
     Keys that reach deletes may come from a metadata file, which is untrusted input."""
-    from ..errors import CheckpointError
+    from ..common.errors import CheckpointError
     parts = key.rstrip("/").split("/")
     if key.startswith(("/", "\\")) or "\\" in key or "\x00" in key or any(p in ("", ".", "..") for p in parts):
         raise CheckpointError(f"{url!r}: refusing to touch {key!r}: not a path inside the checkpoint (the "

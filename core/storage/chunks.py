@@ -27,9 +27,9 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from .. import dtypes
-from ..errors import CheckpointError, CorruptCheckpointError
-from ..metadata import ArrayMeta, dtype_itemsize
+from ..common import dtypes
+from ..common.errors import CheckpointError, CorruptCheckpointError
+from ..format.metadata import ArrayMeta, dtype_itemsize
 
 try:  # ISA-L's crc32: the zlib polynomial and values, ~4x faster than zlib's (measured: docs/results.md)
     from isal.isal_zlib import crc32 as _crc32

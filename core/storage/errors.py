@@ -8,7 +8,7 @@ from __future__ import annotations
 import errno
 import re
 
-from ..errors import CheckpointError, CheckpointNotFoundError
+from ..common.errors import CheckpointError, CheckpointNotFoundError
 
 
 class StorageError(CheckpointError):

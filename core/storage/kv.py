@@ -13,7 +13,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import tensorstore as ts
 
-from ..errors import CheckpointError, CorruptCheckpointError
+from ..common.errors import CheckpointError, CorruptCheckpointError
 from .base import Request, Storage, Version, check_key_inside
 from .errors import classify
 

@@ -16,7 +16,7 @@ from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 
-from ..errors import CheckpointError
+from ..common.errors import CheckpointError
 
 ALIGN = 64
 MAX_PACKS = 4                      # per rank: files (objects) written in parallel

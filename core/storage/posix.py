@@ -24,7 +24,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from ..errors import CheckpointError, CorruptCheckpointError
+from ..common.errors import CheckpointError, CorruptCheckpointError
 from .base import Done, Request, Storage, Version, check_key_inside
 from .errors import classify_os_error
 

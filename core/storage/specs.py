@@ -11,7 +11,7 @@ import hashlib
 import os
 from typing import Any, Dict, Mapping, Optional, Tuple
 
-from ..errors import CheckpointError
+from ..common.errors import CheckpointError
 
 # Options a user may pass for s3:// paths (storage_options), all optional.
 _S3_OPTIONS = {

@@ -125,7 +125,7 @@ def judge(path: str, version: int, storage_options=None, scale: int = 1) -> Outc
     """What a crashed save left at `path`: nothing, an incomplete checkpoint (never loadable, reported
     as incomplete by inspect/verify/CLI), or a complete one that loads exactly `version` and verifies."""
     import fault_scenarios as fs
-    from bytecheckpoint.cli import main as cli_main
+    from bytecheckpoint.tools.cli import main as cli_main
     problems: List[str] = []
     template = fs.build_state(version, 0, 1, scale, zero=True)
     if bcp.is_checkpoint(path, storage_options=storage_options):

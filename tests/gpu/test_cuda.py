@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import bytecheckpoint as bcp
-from bytecheckpoint.errors import CorruptCheckpointError
+from bytecheckpoint.common.errors import CorruptCheckpointError
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
               pytest.mark.timeout(300)]

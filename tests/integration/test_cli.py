@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 import bytecheckpoint as bcp
-from bytecheckpoint import cli
+from bytecheckpoint.tools import cli
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -1,4 +1,4 @@
-"""Hugging Face safetensors export/import (core/export.py).
+"""Hugging Face safetensors export/import (core/tools/export.py).
 
 Export is checked against the safetensors and huggingface_hub libraries themselves: a single
 file is byte-identical to `safetensors.torch.save_file`, a sharded export has the same file
@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 import bytecheckpoint as bcp
-from bytecheckpoint import export as ex
+from bytecheckpoint.tools import export as ex
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]

@@ -117,3 +117,52 @@ def test_the_checker_sees_a_lazy_circle(tmp_path):
 def test_no_module_over_500_lines():
     long = {m: n for m, p in _modules().items() if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, f"modules over {MAX_LINES} lines (split along a seam): {long}"
+
+
+# The engine's layers, bottom up (docs/architecture.md draws the same order): a module imports only
+# from its own folder and the folders below it. The facade is the modules left directly in core/
+# (checkpointer, api); the package's own __init__/__main__ only re-export and are not a layer.
+LAYERS = ("common", "geometry", "format", "planning", "storage", "dist", "state", "pipeline", "catalog", "tiers",
+          "facade", "tools")
+ROOT_ONLY = {"bytecheckpoint", "bytecheckpoint.__main__"}
+
+
+def _layer(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or parts[1] in LAYERS else "facade"
+
+
+def test_core_is_a_folder_per_layer():
+    top = sorted(p.name for p in PACKAGES["bytecheckpoint"].iterdir()
+                 if p.suffix == ".py" or (p.is_dir() and (p / "__init__.py").exists()))
+    folders = [n for n in top if not n.endswith(".py")]
+    assert sorted(folders) == sorted(set(LAYERS) - {"facade"}), f"core/ folders {folders} vs layers {LAYERS}"
+    loose = [n for n in top if n.endswith(".py")]
+    assert set(loose) <= {"__init__.py", "__main__.py", "api.py", "checkpointer.py"}, loose
+
+
+def _upward_imports(layers) -> List[str]:
+    known = set(_modules())
+    bad = []
+    for m, p in sorted(_modules().items()):
+        if not m.startswith("bytecheckpoint") or m in ROOT_ONLY:
+            continue
+        mine = layers.index(_layer(m))
+        for dep in _imports(m, p, known):
+            if not dep.startswith("bytecheckpoint"):
+                continue
+            if dep == "bytecheckpoint":
+                bad.append(f"{m} imports the package root (import the module instead)")
+            elif layers.index(_layer(dep)) > mine:
+                bad.append(f"{m} ({_layer(m)}) imports {dep} ({_layer(dep)})")
+    return bad
+
+
+def test_layers_import_only_downwards():
+    bad = _upward_imports(LAYERS)
+    assert not bad, "imports that go up a layer (move the piece down, or pass it in):\n  " + "\n  ".join(bad)
+
+
+def test_the_layer_checker_sees_an_upward_import():
+    swapped = tuple(sorted(LAYERS, key=lambda layer: layer != "pipeline"))  # pipeline put at the bottom
+    assert any(" (pipeline) imports " in b for b in _upward_imports(swapped))

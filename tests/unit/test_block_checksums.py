@@ -107,7 +107,7 @@ def test_reading_checksum_tables_leaves_the_warnings_filters_alone():
 
     import numpy as np
 
-    from bytecheckpoint import checksums as cs
+    from bytecheckpoint.format import checksums as cs
     counts = (4, 3)
     table = {f"{i}.{j}": (i * 3 + j,) for i in range(4) for j in range(3)}
     seen = []

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import bytecheckpoint as bcp
-from bytecheckpoint import metadata as md_module
+from bytecheckpoint.format import metadata as md_module
 
 
 def _engine_threads():

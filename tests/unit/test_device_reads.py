@@ -1,4 +1,4 @@
-"""The pinned, pipelined load path of device tensors (core/device_reads.py), run on the CPU.
+"""The pinned, pipelined load path of device tensors (core/pipeline/device_reads.py), run on the CPU.
 
 The pipeline's logic does not depend on CUDA: these tests route CPU destinations through it
 (`staged_destination` patched) with synchronous copies, and check what a GPU load relies on:
@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import bytecheckpoint as bcp
-from bytecheckpoint import device_reads
-from bytecheckpoint.errors import CorruptCheckpointError
+from bytecheckpoint.pipeline import device_reads
+from bytecheckpoint.common.errors import CorruptCheckpointError
 from bytecheckpoint.storage.errors import StorageError
 from bytecheckpoint.storage import faults
 

@@ -165,9 +165,9 @@ def test_format_v1_checkpoint_still_loads_and_verifies(tmp_path):
 def test_grid_entry_of_a_sharded_layout():
     """The compact form of a regular layout: 2 replicas x 2 shards (HSDP), big enough that each
     shard is cut into 2 row blocks whose writers are recorded as choices."""
-    from bytecheckpoint.manifests import TensorManifest
-    from bytecheckpoint.metadata import ArrayMeta, Metadata
-    from bytecheckpoint.planner import plan_save
+    from bytecheckpoint.planning.manifests import TensorManifest
+    from bytecheckpoint.format.metadata import ArrayMeta, Metadata
+    from bytecheckpoint.planning.planner import plan_save
     shape = (1024, 1024)   # float32: 2 MiB per shard -> 2 row blocks of 256 rows
     ms = []
     for rank in range(4):
@@ -214,7 +214,7 @@ def test_metadata_round_trips_through_every_version(tmp_path):
     same tensors, regions and checksums (grids spelled out as regions before version 3; version 1
     holds one crc32 per chunk, so it gets whole-chunk values)."""
     import dataclasses
-    from bytecheckpoint.metadata import Metadata
+    from bytecheckpoint.format.metadata import Metadata
     root = _save(tmp_path)
     md = Metadata.from_json((root / "metadata.json").read_bytes())
     assert md.version == 5 and md.tensors["model/w"].grid is not None
@@ -238,8 +238,8 @@ def test_version_4_keeps_large_checksum_tables_in_a_checked_file_beside_the_data
     """Tables over TABLE_FILE_MIN_BYTES go to <data dir>/checksums.bin (little-endian uint32, named
     in metadata.json with its length and crc32); the checkpoint loads and verifies as before, and
     a missing or damaged table file fails the load instead of skipping the checks."""
-    from bytecheckpoint import metadata as md_module
-    from bytecheckpoint.errors import MetadataError
+    from bytecheckpoint.format import metadata as md_module
+    from bytecheckpoint.common.errors import MetadataError
     monkeypatch.setattr(md_module, "TABLE_FILE_MIN_BYTES", 0)
     state = {"w": torch.arange(3000.0).view(30, 100), "b": torch.ones(7), "step": 3}
     bcp.save(str(tmp_path / "c"), state)

@@ -2,7 +2,7 @@
 import pytest
 
 import bytecheckpoint as bcp
-from bytecheckpoint.local_tier import choose, prune, replica_targets
+from bytecheckpoint.tiers.local import choose, prune, replica_targets
 
 
 def test_replicas_go_to_other_nodes_only():
@@ -68,8 +68,8 @@ def test_single_process_local_tier_and_pruning(tmp_path):
 
 
 def test_restore_prefers_the_local_tier_for_the_same_step():
-    from bytecheckpoint.restoring import not_older as _not_older
-    from bytecheckpoint.saver import order_key
+    from bytecheckpoint.tiers.restoring import not_older as _not_older
+    from bytecheckpoint.format.metadata import order_key
     local = order_key({"step": 3, "captured_unix": 100.0})
     later_save_same_step = order_key({"step": 3, "captured_unix": 100.2})   # the persistent save of step 3
     assert _not_older(local, later_save_same_step)                        # same state: no remote read

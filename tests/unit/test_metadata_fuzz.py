@@ -215,7 +215,7 @@ def known_gap(case: str, op: str, result: str) -> str:
 # ---------------------------------------------------------------------- child process
 def run_cases(ckpt: str, cases_file: str, results_file: str) -> None:
     import bytecheckpoint as bcp
-    from bytecheckpoint.errors import CheckpointError
+    from bytecheckpoint.common.errors import CheckpointError
     with open(cases_file) as f:
         cases = json.load(f)
     meta = os.path.join(ckpt, "metadata.json")

@@ -1,4 +1,4 @@
-"""Optimizer state on resume and save (core/optim_state.py): a fresh torch optimizer gets the state
+"""Optimizer state on resume and save (core/state/optimizers.py): a fresh torch optimizer gets the state
 tensors its checkpoint holds made directly (no zero-lr step), bit-exact with torch's own path;
 anything not known falls back to torch's path and says so; DCP's parameter names are reused
 between saves only while they still hold."""
@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import bytecheckpoint as bcp
-from bytecheckpoint import optim_state
+from bytecheckpoint.state import optimizers as optim_state
 
 
 class Net(nn.Module):

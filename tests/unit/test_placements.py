@@ -1,4 +1,4 @@
-"""core/placements.py against torch's own sharding: for every mesh coordinate, the boxes we compute
+"""core/geometry/placements.py against torch's own sharding: for every mesh coordinate, the boxes we compute
 must rebuild exactly the local tensor torch's placements cut out (Shard, _StridedShard, Replicate,
 even and uneven), and agree with torch's local shape / first global offset."""
 import itertools
@@ -9,7 +9,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from bytecheckpoint import placements as pm
+from bytecheckpoint.geometry import placements as pm
 
 
 def desc(p):

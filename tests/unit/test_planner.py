@@ -1,8 +1,8 @@
 """Pure planner tests with simulated ranks: no processes."""
 import pytest
 
-from bytecheckpoint.errors import ShardLayoutError, StateMismatchError
-from bytecheckpoint.planner import (TargetSpec, TensorManifest, assign_readers, check_targets, plan_load,
+from bytecheckpoint.common.errors import ShardLayoutError, StateMismatchError
+from bytecheckpoint.planning.planner import (TargetSpec, TensorManifest, assign_readers, check_targets, plan_load,
                                     plan_save)
 
 

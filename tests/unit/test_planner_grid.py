@@ -15,11 +15,11 @@ import pytest
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
-from bytecheckpoint.errors import ShardLayoutError
-from bytecheckpoint.grids import cell_box, partition
-from bytecheckpoint.manifests import TensorManifest, pack_manifest
-from bytecheckpoint.metadata import FORMAT_VERSION, ArrayMeta, Metadata
-from bytecheckpoint.planner import (TargetSpec, local_plan, plan_load, plan_save, rank_part, split_for_ranks)
+from bytecheckpoint.common.errors import ShardLayoutError
+from bytecheckpoint.geometry.grids import cell_box, partition
+from bytecheckpoint.planning.manifests import TensorManifest, pack_manifest
+from bytecheckpoint.format.metadata import FORMAT_VERSION, ArrayMeta, Metadata
+from bytecheckpoint.planning.planner import (TargetSpec, local_plan, plan_load, plan_save, rank_part, split_for_ranks)
 from bytecheckpoint.storage.chunks import chunk_name
 
 # (name, shape, dtype, mesh, placements): placements as torch objects
@@ -53,7 +53,7 @@ def dims_of(placements, ndim):
 
 
 def rank_manifests(key, shape, dtype, mesh, placements, with_grid=True):
-    """What saver.manifest_of gives on each rank (row-major mesh: rank = coordinate index)."""
+    """What save_plan.manifest_of gives on each rank (row-major mesh: rank = coordinate index)."""
     out = []
     for rank, coord in enumerate(itertools.product(*(range(m) for m in mesh))):
         offs, lens = torch_box(shape, mesh, placements, coord)

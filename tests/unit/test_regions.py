@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from bytecheckpoint.regions import (chunk_count, chunk_grid, find_layout_problem, flat_range_to_boxes, intersect,
+from bytecheckpoint.geometry.regions import (chunk_count, chunk_grid, find_layout_problem, flat_range_to_boxes, intersect,
                                     volume)
 
 
@@ -67,7 +67,7 @@ def test_layout_problems_named():
 
 
 def test_chunks_are_refined_towards_the_target_without_one_row_chunks():
-    from bytecheckpoint.regions import refine_chunks
+    from bytecheckpoint.geometry.regions import refine_chunks
     mib16, row = 16 << 20, 4096 * 4
     # the whole dim in one chunk row: ceil-divided, one short edge chunk (1367 is prime)
     assert refine_chunks((1367, 4096), (1367, 4096), 4, mib16) == (684, 4096)

@@ -4,7 +4,7 @@ import time
 
 import torch
 
-from bytecheckpoint.staging import StagingPool
+from bytecheckpoint.pipeline.staging import StagingPool
 
 
 def test_buffers_reused_for_same_layout():

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from bytecheckpoint import torch_compat
-from bytecheckpoint.torch_compat import TorchCompatError
+from bytecheckpoint.common import torch_compat
+from bytecheckpoint.common.torch_compat import TorchCompatError
 
 
 def test_missing_fsdp1_internals_name_version_and_fix():

@@ -1,8 +1,8 @@
 """Which chunks a rank shares in a zero-redundancy load (pure planning, no process group)."""
 from types import SimpleNamespace
 
-from bytecheckpoint.metadata import ArrayMeta
-from bytecheckpoint.zero_redundancy import whole_chunks
+from bytecheckpoint.format.metadata import ArrayMeta
+from bytecheckpoint.dist.zero_redundancy import whole_chunks
 
 
 def test_an_edge_chunk_needed_whole_is_shared_and_a_partial_one_is_not():

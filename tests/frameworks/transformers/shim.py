@@ -19,7 +19,7 @@ import sys
 import safetensors.torch
 
 import bytecheckpoint as bcp
-from bytecheckpoint.flatten import top_level_placeholders
+from bytecheckpoint.state.flatten import top_level_placeholders
 
 _PARTS = {"model.safetensors": ("model", "engine"), "optimizer.pt": ("optimizer", "engine"),
           "scheduler.pt": ("scheduler",), "scaler.pt": ("scaler",)}

@@ -50,7 +50,7 @@ def main() -> None:
                               "gradient_clipping": "auto", "steps_per_print": 10 ** 9}
         extra["ddp_backend"] = "gloo"
         # the default adamw_torch_fused: bytecheckpoint's DeepSpeed route refuses to load into a fresh
-        # fused Adam (core/deepspeed_compat.py), so DeepSpeed runs use the unfused AdamW
+        # fused Adam (core/state/deepspeed_engine.py), so DeepSpeed runs use the unfused AdamW
         extra["optim"] = "adamw_torch"
     if a.fsdp is not None:
         extra["fsdp"] = "full_shard"

@@ -1,0 +1,1 @@
+"""Stored checkpoints as a collection: inspect, verify, delete, latest, keep_last."""

@@ -1,0 +1,1 @@
+"""The on-disk contract: metadata records and their JSON (versioned, validated), grid tensors, checksum tables, the safe codec of plain values."""

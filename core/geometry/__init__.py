@@ -1,0 +1,1 @@
+"""Pure region math: boxes, flat ranges, chunk grids; regular (DTensor) layouts; placements as index runs."""

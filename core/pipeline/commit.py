@@ -1,0 +1,219 @@
+"""The commit step: collect every rank's write result, write metadata.json last (atomically).
+
+Two ways to collect, same decision:
+- `collect_by_collective`: sync saves, on the caller's thread, with a gather + broadcast.
+- `MarkerBoard`: async saves, in the background, through small marker objects in the
+  checkpoint's data directory. No collective ever runs in a background thread, so an async save
+  still commits when training tears down its process group right after save() returns.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import asdict
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from ..common.errors import CheckpointError, CheckpointExistsError, PeerTimeoutError
+from ..dist.comm import Comm
+from ..format.metadata import CHECKSUM_TABLE_FILE, FORMAT_VERSION, METADATA_FILE, ArrayMeta, Metadata, ObjectFileMeta
+from ..planning.planner import SavePlan
+from ..storage import Storage
+
+# (object file entry, {array path: {chunk name: block crc32s}}) or None, and an error message or None
+# What one rank wrote: its object file, {array: {chunk: block crc32s}}, {array: {chunk: (pack, offset)}}
+WriteResult = Tuple[ObjectFileMeta, Dict[str, Dict[str, Any]], Dict[str, Dict[str, Tuple[str, int]]]]
+# (what it wrote, or None) and an error message, or None
+RankResult = Tuple[Optional[WriteResult], Optional[str]]
+
+
+def write_metadata(store: Storage, full: SavePlan, save_id: str, data_dir: str, world_size: int, structure: Any,
+                   overwrite: bool, old_data: Optional[str], results: List[RankResult],
+                   info: Optional[Dict[str, Any]] = None) -> None:
+    """Coordinator: commit if every rank succeeded, else raise naming the failed ranks."""
+    md = build_metadata(store.url, full, save_id, data_dir, world_size, structure, results, info)
+    table_key = f"{data_dir}/{CHECKSUM_TABLE_FILE}"
+    raw, table = md.to_files(table_key)
+    if table is not None:  # large tables beside the data, durable before the commit point names them
+        store.put(table_key, table, durable=True)
+    if not store.put(METADATA_FILE, raw, if_absent=not overwrite, durable=True):
+        store.delete_prefix(data_dir + "/")  # the losing job leaves nothing behind
+        raise CheckpointExistsError(f"another job committed a checkpoint to {store.url!r} while this save was "
+                                    f"running; this save was discarded and theirs is intact")
+    if old_data and old_data != data_dir:
+        store.delete_prefix(old_data + "/")
+
+
+def build_metadata(url: str, full: SavePlan, save_id: str, data_dir: str, world_size: int, structure: Any,
+                   results: List[RankResult], info: Optional[Dict[str, Any]] = None) -> Metadata:
+    """The global metadata of a save whose every rank succeeded; else raise naming the failed ranks.
+    `info`: more entries for its info object (e.g. the training step and capture time)."""
+    failed = [(r, err) for r, (_, err) in enumerate(results) if err is not None]
+    if failed:
+        detail = "; ".join(f"rank {r}: {e}" for r, e in failed[:8])
+        raise CheckpointError(f"save to {url!r} failed on {len(failed)} rank(s), nothing was committed "
+                              f"(a previous checkpoint there is intact): {detail}")
+    checksums: Dict[str, Dict[str, Any]] = {}
+    where: Dict[str, Dict[str, Tuple[str, int]]] = {}
+    for res, _ in results:
+        for path, sums in res[1].items():
+            checksums.setdefault(path, {}).update(sums)
+        for path, locs in res[2].items():
+            where.setdefault(path, {}).update(locs)
+    packs = tuple(sorted({key for locs in where.values() for key, _ in locs.values()}))
+    index = {key: i for i, key in enumerate(packs)}
+    locations = {path: {name: (index[key], off & 0xFFFFFFFF, off >> 32) for name, (key, off) in locs.items()}
+                 for path, locs in where.items()}
+    md = Metadata(
+        version=FORMAT_VERSION, save_id=save_id, world_size=world_size,
+        tensors={k: t.rooted(data_dir) for k, t in full.tensors.items()},
+        arrays={f"{data_dir}/{p}": rooted(a, data_dir, checksums.get(p, {}), locations.get(p, {}), packs)
+                for p, a in full.arrays.items()},
+        objects=tuple(res[0] for res, _ in results),
+        structure=structure,
+        info={**(info or {}), "data_dir": data_dir, "created_unix": time.time(), "torch": torch.__version__,
+              "bytes_per_rank": list(full.bytes_per_rank)},
+        packs=packs,
+    )
+    return md
+
+
+def rooted(a: ArrayMeta, data_dir: str, checksums: Optional[Dict[str, Any]] = None,
+           locations: Optional[Dict[str, Tuple[int, int, int]]] = None, packs: Tuple[str, ...] = ()) -> ArrayMeta:
+    """The array under the save's data directory; with the writers' checksums (per-block tuples,
+    chunks.BLOCK_BYTES long blocks) and pack locations when given."""
+    if checksums is None:
+        return ArrayMeta(f"{data_dir}/{a.path}", a.shape, a.chunks, a.dtype, dict(a.checksums), a.block_bytes)
+    from ..storage.chunks import BLOCK_BYTES
+    return ArrayMeta(f"{data_dir}/{a.path}", a.shape, a.chunks, a.dtype,
+                     {k: tuple(v) for k, v in checksums.items()}, BLOCK_BYTES, dict(locations or {}), packs)
+
+
+def collect_by_collective(comm: Comm, local: RankResult, decide) -> None:
+    results = comm.gather(local)
+    comm.run_on_coordinator(lambda: decide(results), "committing the checkpoint")
+
+
+class MarkerBoard:
+    """Rank results and the commit outcome as small JSON objects under `<data_dir>/commit/`.
+
+    While its background job runs, each rank also beats a heartbeat object there. A rank waiting
+    for a peer's marker gives up when that peer's heartbeat has not changed for `dead_peer_s`
+    (it died: detected in about that time, not after the whole timeout) or after `timeout_s`."""
+
+    def __init__(self, store: Storage, data_dir: str, world_size: int, rank: int, timeout_s: float,
+                 dead_peer_s: float):
+        self.store, self.prefix, self.world, self.rank = store, f"{data_dir}/commit/", world_size, rank
+        self.timeout_s, self.dead_peer_s = timeout_s, dead_peer_s
+
+    # ------------------------------------------------------------ liveness
+    def heartbeat(self) -> "Heartbeat":
+        return Heartbeat(self.store, f"{self.prefix}alive_{self.rank}", max(0.5, self.dead_peer_s / 6))
+
+    # ------------------------------------------------------------ results
+    def publish(self, result: RankResult) -> None:
+        res, err = result
+        body = {"error": err}
+        if res is not None:
+            body.update(object=asdict(res[0]), checksums=res[1], locations=res[2])
+        self.store.put(f"{self.prefix}rank_{self.rank}.json", json.dumps(body).encode())
+
+    def collect(self) -> List[RankResult]:
+        names = [f"{self.prefix}rank_{r}.json" for r in range(self.world)]
+
+        def missing() -> List[int]:
+            have = set(self.store.list(self.prefix))
+            return [r for r, n in enumerate(names) if n not in have]
+        self._wait(missing)
+        out: List[RankResult] = []
+        for name in names:
+            body = json.loads(self.store.get(name) or b"{}")
+            if body.get("error") is not None or "object" not in body:
+                out.append((None, body.get("error") or "no result"))
+            else:
+                locations = {p: {n: (k, int(o)) for n, (k, o) in locs.items()}
+                             for p, locs in body.get("locations", {}).items()}
+                out.append(((ObjectFileMeta(**body["object"]), body["checksums"], locations), None))
+        return out
+
+    def announce(self, error: Optional[BaseException]) -> None:
+        body = {"ok": error is None, "error": None if error is None else f"{type(error).__name__}: {error}"}
+        self.store.put(f"{self.prefix}outcome.json", json.dumps(body).encode())
+
+    def outcome(self) -> None:
+        key = f"{self.prefix}outcome.json"
+        self._wait(lambda: [] if self.store.get(key) is not None else [0])
+        body = json.loads(self.store.get(key))
+        if not body.get("ok"):
+            raise CheckpointError(f"async save to {self.store.url!r} was not committed: {body.get('error')}")
+
+    def _wait(self, missing: Callable[[], List[int]]) -> None:
+        """Poll until `missing()` is empty; fail on a dead peer or at the overall timeout."""
+        start = time.monotonic()
+        deadline = start + self.timeout_s
+        seen: Dict[int, Tuple[Optional[bytes], float]] = {}  # rank -> (last beat, when it changed)
+        delay, next_beat_check = 0.002, start + 1.0
+        while True:
+            waiting = missing()
+            if not waiting:
+                return
+            now = time.monotonic()
+            if now > deadline:
+                raise PeerTimeoutError(
+                    f"async save to {self.store.url!r}: gave up after {self.timeout_s:g} s waiting for "
+                    f"{_who(waiting)} (stuck); nothing was committed (Checkpointer(timeout_s=...) sets the limit)")
+            if now >= next_beat_check:
+                next_beat_check = now + 1.0
+                for r in waiting:
+                    beat = self.store.get(f"{self.prefix}alive_{r}")
+                    last, since = seen.get(r, (None, start))
+                    if beat != last or r not in seen:
+                        seen[r] = (beat, now if beat != last else since)
+                    elif now - since > self.dead_peer_s:
+                        raise PeerTimeoutError(
+                            f"async save to {self.store.url!r}: {_who([r])} stopped responding (no heartbeat for "
+                            f"{now - since:.0f} s): it died or hangs; nothing was committed and the previous "
+                            f"checkpoint is intact")
+            time.sleep(delay)
+            delay = min(0.05, delay * 2)
+
+
+def _who(ranks: List[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks[:16])) + (
+        " ..." if len(ranks) > 16 else "")
+
+
+class Heartbeat:
+    """A thread that rewrites one small object every `interval` seconds while a job runs."""
+
+    def __init__(self, store: Storage, key: str, interval: float):
+        self.store, self.key, self.interval = store, key, interval
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def start(self) -> "Heartbeat":
+        """The first beat is written by the thread (not the caller: it is on an async save's stall;
+        peers look at beats only after waiting a second for a marker)."""
+        self._thread = threading.Thread(target=self._run, name="bytecheckpoint-heartbeat", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _run(self) -> None:
+        self._beat(0)
+        n = 1
+        while not self._stop.wait(self.interval):
+            self._beat(n)
+            n += 1
+
+    def _beat(self, n: int) -> None:
+        try:
+            self.store.put(self.key, str(n).encode())
+        except Exception:  # noqa: BLE001 - a missed beat only makes peers wait longer; the job reports storage errors
+            pass

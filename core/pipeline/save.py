@@ -1,0 +1,87 @@
+"""The save pipeline, top to bottom: flatten -> plan -> stage -> write -> commit.
+
+The one place that orders a save; sync and async saves share it and part only at the stage step
+(an async save copies into a staging slot and writes on a background thread; a sync save writes
+from the tensors on the caller's thread). Where the save goes is a target: PersistentTarget
+(pipeline/write.py) for a checkpoint directory, the local tier's (tiers/local.py) for a node-local
+one; each opens (arrival of every rank), begins (the save id) and writes + commits its own way.
+The Checkpointer hands in its resources (SaveResources) and owns them.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Optional, Protocol, Tuple
+
+from ..dist.comm import Comm
+from ..planning.planner import LocalPlan, SavePlan
+from ..state.flatten import TypeRegistry
+from . import save_plan, stage, write
+from .handles import PendingSaves, SaveHandle
+from .staging import StagingPool
+from .workers import BackgroundRunner, Workers
+
+
+@dataclass(frozen=True)
+class SaveResources:
+    """What a save uses of its Checkpointer."""
+    registry: TypeRegistry
+    fsdp1_route: str
+    threads: int
+    plans: save_plan.PlanCache
+    staging: Callable[[], StagingPool]      # made on first use
+    runner: BackgroundRunner
+    pending: PendingSaves
+    closed: Callable[[], bool]
+
+
+class Target(Protocol):
+    def open(self, comm: Comm) -> None: ...          # foreground: storage, every rank's arrival
+    def begin(self) -> Tuple[str, Optional[str]]: ...  # coordinator: (save id, data dir it replaces)
+    def writer(self, comm: Comm, local: LocalPlan, full: Optional[SavePlan], save_id: str, old_data: Optional[str],
+               structure: Any, objects_blob: bytes, info: Dict[str, Any]) -> write.Written: ...
+
+
+def save(res: SaveResources, target: Target, comm: Comm, state: Dict[str, Any], *, background: bool, path: str,
+         info: Dict[str, Any], t0: float) -> SaveHandle:
+    """Collective: save `state` to `target`; returns once the state may change again (a sync save:
+    committed; an async save: copied out, the write and commit running in the background)."""
+    # 1. flatten: walk the state (an async save of an unchanged layout starts its copies meanwhile)
+    early = stage.early_copies(res.staging(), res.plans, comm.key) if background else None
+    t_walk = time.perf_counter()
+    try:
+        prepared = save_plan.prepare(state, res.registry, res.fsdp1_route, early.on_tensor if early else None)
+        t_plan = time.perf_counter()
+        # 2. plan: every rank arrives, then the cached plan is confirmed or a new one made
+        target.open(comm)
+        local, full, save_id, old_data = save_plan.plan(comm, prepared.manifest, res.plans, target.begin,
+                                                         prepared.error)
+        data = write.sources(prepared.flat, local.writes)
+    except BaseException:
+        stage.release(early)
+        raise
+    handle = SaveHandle(path, pending=res.pending)
+    handle.stats.update(walk_s=t_plan - t_walk, plan_s=time.perf_counter() - t_plan)
+    written = target.writer(comm, local, full, save_id, old_data, prepared.flat.structure, prepared.objects_blob,
+                            info)
+    if not background:
+        # 3. stage (device tensors only), 4. write, 5. commit, all on the caller's thread
+        with stage.on_host(res.staging(), local, data) as host, Workers(res.threads) as workers:
+            written.run_sync(workers, host)
+        handle.stats["total_s"] = time.perf_counter() - t0
+        return handle
+    # 3. stage into a slot (the caller waits for this only), then 4. write and 5. commit in the background
+    stage.start(res.staging(), res.runner, res.threads, early, local, data, written, handle, res.closed, t0)
+    res.pending.add(handle)
+    return handle
+
+
+def warm_up(res: SaveResources, comm: Comm, state: Dict[str, Any], timeout_s: float) -> int:
+    """Collective: plan `state` as a save would and allocate every staging slot's buffers for it;
+    nothing is copied or written. Returns the bytes of staging memory allocated."""
+    prepared = save_plan.prepare(state, res.registry, res.fsdp1_route)
+    target = write.WarmUpTarget(timeout_s)
+    target.open(comm)
+    local, _, _, _ = save_plan.plan(comm, prepared.manifest, res.plans, target.begin, prepared.error)
+    data = write.sources(prepared.flat, local.writes)
+    return res.staging().prepare(stage.staging_items(local, data))

@@ -1,0 +1,179 @@
+"""Writing one save: this rank's boxes into its pack files and its plain values (write_local),
+then the commit (Job: collectively for a sync save, through marker objects for an async one).
+PersistentTarget is where a save to a checkpoint directory goes (the local tier has its own,
+tiers/local.py); pipeline/save.py drives either.
+"""
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..common.errors import CheckpointError
+from ..dist.comm import Comm
+from ..format.metadata import Metadata, ObjectFileMeta
+from ..geometry.regions import relative
+from ..planning.planner import LocalPlan, SavePlan, WriteItem
+from ..state.flatten import Flat, TensorEntry
+from ..storage import Storage, chunks, packs
+from . import commit
+from .save_plan import begin, new_save_id
+from .workers import Workers
+
+DATA_PREFIX = "data-"
+
+
+def sources(flat: Flat, writes: Sequence[WriteItem]) -> List[torch.Tensor]:
+    """The local tensor view that holds each write item."""
+    out = []
+    for w in writes:
+        src = source_of(flat.tensors[w.key], w)
+        if src is None:  # the planner only assigns a box to a rank that holds it
+            raise CheckpointError(f"internal: rank holds no piece of {w.key!r} containing {w.offsets}")
+        out.append(src)
+    return out
+
+
+def source_of(entry: TensorEntry, w: WriteItem) -> Optional[torch.Tensor]:
+    """The view of the entry's local pieces that holds write item `w`, or None."""
+    for p in entry.pieces:
+        if all(po <= wo and wo + wl <= po + pl for po, pl, wo, wl in zip(p.offsets, p.lengths, w.offsets, w.lengths)):
+            return p.tensor[relative((w.offsets, w.lengths), p.offsets)] if w.offsets else p.tensor
+    return None
+
+
+def write_local(store: Storage, workers: Workers, data_dir: str, local: LocalPlan, data: Sequence[torch.Tensor],
+                objects_blob: bytes, rank: int) -> commit.WriteResult:
+    """Write this rank's boxes (format 5: into its pack files, storage/packs.py) and plain values;
+    returns the object file entry, the block crc32s and the pack location of every chunk it wrote."""
+    arrays = {p: commit.rooted(a, data_dir) for p, a in local.arrays.items()}
+    items = [(w.array, chunks.chunk_name(index), payload) for w, t in zip(local.writes, data)
+             for index, payload in chunks.encode_box(arrays[w.array], w.array_offsets, t)]
+    obj_path = f"{data_dir}/objects/rank_{rank}.json"
+    store.prepare([obj_path])
+    checksums, locations = packs.write(store, workers, data_dir, rank, items, chunks.block_checksums,
+                                       chunks.BLOCK_BYTES)
+    store.put(obj_path, objects_blob)
+    store.sync()  # durable before reporting success (big packs were fdatasync'ed as written)
+    return ObjectFileMeta(rank, obj_path, len(objects_blob), zlib.crc32(objects_blob)), checksums, locations
+
+
+@dataclass
+class Job:
+    """Everything the write-and-commit step of one save needs (built on the caller's thread)."""
+    comm: Comm
+    store: Storage
+    local: LocalPlan
+    full: Optional[SavePlan]
+    save_id: str
+    old_data: Optional[str]
+    structure: Any
+    overwrite: bool
+    objects_blob: bytes
+
+    data_prefix: str = DATA_PREFIX
+    info: Optional[Dict[str, Any]] = None   # extra metadata info (training step, capture time)
+
+    @property
+    def data_dir(self) -> str:
+        return self.data_prefix + self.save_id
+
+    def board(self, timeout_s: float, dead_peer_s: float) -> commit.MarkerBoard:
+        return commit.MarkerBoard(self.store, self.data_dir, self.comm.world_size, self.comm.rank, timeout_s,
+                                  dead_peer_s)
+
+    def _decide(self, results) -> None:
+        commit.write_metadata(self.store, self.full, self.save_id, self.data_dir, self.comm.world_size,
+                              self.structure, self.overwrite, self.old_data, results, self.info)
+
+    def _write(self, workers: Workers, data: Sequence[torch.Tensor]) -> Tuple[commit.RankResult, Optional[Exception]]:
+        try:
+            return (write_local(self.store, workers, self.data_dir, self.local, data, self.objects_blob,
+                                self.comm.rank), None), None
+        except Exception as exc:  # noqa: BLE001 - reported to the coordinator, raised on every rank
+            return (None, f"{type(exc).__name__}: {exc}"), exc
+
+    def run_sync(self, workers: Workers, data: Sequence[torch.Tensor]) -> None:
+        """On the caller's thread: write, then commit through a gather + broadcast."""
+        result, error = self._write(workers, data)
+        if self.comm.world_size == 1 and error is not None:
+            raise error
+        commit.collect_by_collective(self.comm, result, self._decide)
+
+    def run_background(self, workers: Workers, data: Sequence[torch.Tensor], board: commit.MarkerBoard) -> None:
+        """On a background thread: write, then commit through marker objects (no collectives:
+        training may tear its process group down while this runs). A save of one rank commits
+        directly: nobody needs its markers."""
+        result, error = self._write(workers, data)
+        if self.comm.world_size == 1:
+            if error is not None:
+                raise error
+            self._decide([result])
+            return
+        board.publish(result)
+        if not self.comm.is_coordinator:
+            board.outcome()
+            return
+        error: Optional[BaseException] = None
+        try:
+            self._decide(board.collect())
+        except BaseException as exc:  # noqa: BLE001 - announced to every rank, then re-raised here
+            error = exc
+        board.announce(error)
+        if error is not None:
+            raise error
+
+
+@dataclass
+class Written:
+    """How a target writes and commits one planned save: `run_sync(workers, data)` on the caller's
+    thread, or `start_background()` -> (run(workers, data), start_heartbeat or None) for an async
+    save (the heartbeat starts on the background thread: peers can tell this rank is alive)."""
+    run_sync: Callable[[Workers, Sequence[torch.Tensor]], None]
+    start_background: Callable[[], Tuple[Callable[[Workers, Sequence[torch.Tensor]], None], Optional[Callable]]]
+
+
+class PersistentTarget:
+    """A save to a checkpoint directory or object-store prefix (the usual target)."""
+
+    def __init__(self, open_store: Callable[[], Storage], overwrite: bool,
+                 read_metadata: Callable[[Storage], Metadata], timeout_s: float, dead_peer_s: float) -> None:
+        self._open_store, self.overwrite, self._read_metadata = open_store, overwrite, read_metadata
+        self.timeout_s, self.dead_peer_s = timeout_s, dead_peer_s
+        self.store: Optional[Storage] = None
+
+    def open(self, comm: Comm) -> None:
+        """Foreground, after the walk: the storage, and every rank's arrival (bounded)."""
+        store = self.store = self._open_store()
+        if store.read_only:
+            raise CheckpointError(f"{store.url!r} is read-only ({store.scheme}://): save to a local path, s3:// "
+                                  f"or gs://")
+        comm.arrive(self.timeout_s, f"save to {store.url!r}")
+
+    def begin(self) -> Tuple[str, Optional[str]]:
+        return begin(self.store, self.overwrite, self._read_metadata)
+
+    def writer(self, comm: Comm, local: LocalPlan, full: Optional[SavePlan], save_id: str, old_data: Optional[str],
+               structure: Any, objects_blob: bytes, info: Dict[str, Any]) -> Written:
+        job = Job(comm, self.store, local, full, save_id, old_data, structure, self.overwrite, objects_blob,
+                  info=info)
+
+        def start_background():
+            board = job.board(self.timeout_s, self.dead_peer_s)
+            return (lambda workers, data: job.run_background(workers, data, board)), lambda: board.heartbeat().start()
+        return Written(job.run_sync, start_background)
+
+
+class WarmUpTarget:
+    """warm_up's target: planning only (no storage, nothing written)."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+
+    def open(self, comm: Comm) -> None:
+        comm.arrive(self.timeout_s, "warm-up")
+
+    def begin(self) -> Tuple[str, Optional[str]]:
+        return new_save_id(), None

@@ -1,0 +1,39 @@
+"""The built-in type registry: every value type the engine knows, with its handler (Orbax's
+`create_type_handler_registry`). `REGISTRY` is the one `bcp.REGISTRY` names and every Checkpointer
+uses unless given `registry=`; `builtin_registry()` makes a fresh one to extend privately."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..common.shards import FlatShard, Shard
+from . import distributed
+from .basic import (
+    DictHandler,
+    FlatShardHandler,
+    ListHandler,
+    ObjectHandler,
+    ShardHandler,
+    StatefulHandler,
+    TensorHandler,
+    TupleHandler,
+)
+from .deepspeed_engine import ENGINE_CLASS, DeepSpeedEngineHandler
+from .flatten import TypeRegistry
+from .modules import ModuleHandler, OptimizerHandler
+
+
+def builtin_registry() -> TypeRegistry:
+    registry = TypeRegistry(stateful=StatefulHandler(), plain=ObjectHandler())
+    for typ, handler in ((dict, DictHandler()), (list, ListHandler()), (tuple, TupleHandler()),
+                         (torch.Tensor, TensorHandler()), (Shard, ShardHandler()), (FlatShard, FlatShardHandler()),
+                         (nn.Module, ModuleHandler()), (torch.optim.Optimizer, OptimizerHandler())):
+        registry.register(typ, handler)
+    for typ, handler in distributed.handlers():
+        registry.register(typ, handler)
+    registry.register_by_name(ENGINE_CLASS, DeepSpeedEngineHandler())
+    return registry
+
+
+#: The handlers of every value type the engine knows (extend with REGISTRY.register).
+REGISTRY = builtin_registry()
