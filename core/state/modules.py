@@ -1,29 +1,87 @@
 """Handlers of nn.Module and torch.optim.Optimizer: a module as its state dict (FSDP1 through
 state/fsdp1.py), an optimizer keyed by parameter name through the module in the same state that owns
-its parameters, so optimizer state reshards with the model. Registered by state/registry.py."""
+its parameters, so optimizer state reshards with the model. Registered by state/registry.py.
+
+torch.compile: a compiled module (or submodule) spells its state dict names with `_orig_mod.`; they
+are saved without it (the module's own names, as DCP names the optimizer state and as the module
+has when not compiled), and a load maps the live names onto the saved ones either way, so compiled
+and plain modules load each other's checkpoints, and checkpoints saved with `_orig_mod.` still load."""
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Any, Dict, Iterable, Mapping, Optional
 
 import torch
 from torch import nn
 
+from ..common.errors import StateMismatchError
+from ..format import codec
 from . import fsdp1, optimizers
 from .flatten import Handler, find_subtree, join
+
+COMPILED_PREFIX = "_orig_mod"   # torch._dynamo's OptimizedModule holds the module under this attribute
+
+
+def plain_name(name: str) -> str:
+    """A state dict name without torch.compile's `_orig_mod` components (DCP's rule for FQNs)."""
+    if COMPILED_PREFIX not in name:
+        return name
+    return ".".join(p for p in name.split(".") if p != COMPILED_PREFIX)
+
+
+def plain_state_dict(sd: Mapping[str, Any], where: str) -> Dict[str, Any]:
+    """`sd` under plain names; two names that become one are refused."""
+    out: Dict[str, Any] = {}
+    spelled: Dict[str, str] = {}
+    for k, v in sd.items():
+        p = plain_name(k) if isinstance(k, str) else k
+        if p in out:
+            raise StateMismatchError(
+                f"{where}: state dict names {spelled[p]!r} and {k!r} are the same without torch.compile's "
+                f"'_orig_mod.' ({p!r}); rename one of the modules")
+        out[p], spelled[p] = v, k
+    return out
+
+
+def saved_spelling(live: Iterable[str], saved_node: Any) -> Dict[str, str]:
+    """live name -> the name to load it from: its plain name, or the checkpoint's own spelling of
+    that plain name (a checkpoint saved with '_orig_mod.' names, before they were stripped)."""
+    saved: Dict[str, str] = {}
+    if isinstance(saved_node, dict) and len(saved_node) == 1 and "dict" in saved_node:
+        for k, _ in saved_node["dict"]:
+            name = codec.decode(k)
+            if isinstance(name, str):
+                saved.setdefault(plain_name(name), name)
+    out = {}
+    for k in live:
+        p = plain_name(k) if isinstance(k, str) else k
+        out[k] = p if p in saved and saved[p] == p else saved.get(p, p)
+    return out
 
 
 class ModuleHandler(Handler):
     def save(self, value, key, walk):
         if fsdp1.holds_fsdp1(value):
             return fsdp1.save_module(value, key, walk)
-        return walk.save(dict(value.state_dict()), key)
+        return walk.save(plain_state_dict(value.state_dict(), f"module {key!r}"), key)
 
     def load(self, value, key, walk, assign):
         if fsdp1.holds_fsdp1(value):
             return fsdp1.load_module(value, key, walk)
-        sd = value.state_dict()
-        walk.load(sd, key, lambda v: None)
-        walk.flat.finalizers.append(lambda: value.load_state_dict(sd))
+        load_by_plain_names(value.state_dict(), value.load_state_dict, key, walk, f"module {key!r}")
+
+
+def load_by_plain_names(live: Mapping[str, Any], load_state_dict, key: str, walk, where: str) -> None:
+    """Load `live` (a state dict whose tensors are loaded in place) from the names saved at `key`,
+    then `load_state_dict(live)` with the values the load assigned (plain values, loaded whole)."""
+    spelling = saved_spelling(live, find_subtree(walk.saved, key))
+    template: Dict[str, Any] = {}
+    for k, v in live.items():
+        if spelling[k] in template:
+            raise StateMismatchError(f"{where}: state dict names {k!r} and another one are the same without "
+                                     f"torch.compile's '_orig_mod.' ({spelling[k]!r}); rename one of the modules")
+        template[spelling[k]] = v
+    walk.load(template, key, lambda v: None)
+    walk.flat.finalizers.append(lambda: load_state_dict({k: template[spelling[k]] for k in live}))
 
 
 class OptimizerHandler(Handler):

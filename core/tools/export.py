@@ -62,9 +62,12 @@ def _children(node: Any) -> List[Tuple[str, Any]]:
 
 def _tensor_names(node: Any, name: str = "") -> List[Tuple[str, str]]:
     """(state_dict name, checkpoint key) for every tensor under a structure node, in saved order.
-    A module's state dict is one level of names; deeper nesting is joined with '.'."""
+    A module's state dict is one level of names; deeper nesting is joined with '.'. Names are the
+    module's own: torch.compile's '_orig_mod.' (in checkpoints saved before it was stripped, or
+    in a framework's state dict of a compiled submodule) is left out."""
     if isinstance(node, dict) and len(node) == 1 and "tensor" in node:
-        return [(name, node["tensor"])]
+        from ..state.modules import plain_name
+        return [(plain_name(name), node["tensor"])]
     out: List[Tuple[str, str]] = []
     for k, child in _children(node):
         out += _tensor_names(child, f"{name}.{k}" if name else k)

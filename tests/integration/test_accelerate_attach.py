@@ -103,3 +103,46 @@ def test_missing_private_attribute_fails_naming_it_and_the_version(acc, name) ->
     finally:
         acc.__dict__[name] = saved
     attach(acc).remove()  # and works again once it is back
+
+
+def test_dynamo_backend_checkpoints_load_into_plain_models_and_back(monkeypatch, tmp_path) -> None:
+    """Accelerator(dynamo_backend=...) prepares an OptimizedModule; a submodule compiled by the user
+    adds `_orig_mod.` inside. Both save under the module's own names (the stock model.safetensors'
+    names), so a plain run resumes a compiled run's checkpoint and the other way round."""
+    from accelerate_bytecheckpoint import attach
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+
+    def run(dynamo: bool, seed: int):
+        accelerate.state.AcceleratorState._reset_state(True)  # the dynamo setting is process-wide state
+        acc = accelerate.Accelerator(cpu=True, **({"dynamo_backend": "eager"} if dynamo else {}))
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        if dynamo:
+            model[0] = torch.compile(model[0], backend="eager")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        pm, po = acc.prepare(model, opt)
+        assert dynamo == any("_orig_mod" in k for k in pm.state_dict())
+        acc.backward(pm(torch.randn(3, 4)).sum())
+        po.step()
+        return acc, model, po
+
+    def plain(sd):
+        return {k.replace("_orig_mod.", ""): v for k, v in sd.items()}
+
+    for src_dynamo in (True, False):
+        acc, model, opt = run(src_dynamo, 0)
+        handle = attach(acc, async_save=False)
+        acc.save_state(str(tmp_path / f"ck{src_dynamo}"))
+        handle.remove()
+        names = {t.name for t in bcp.inspect(str(tmp_path / f"ck{src_dynamo}" / "bytecheckpoint")).tensors}
+        assert "model/0.weight" in names and not any("_orig_mod" in n for n in names), sorted(names)
+        acc2, model2, opt2 = run(not src_dynamo, 1)
+        handle = attach(acc2)
+        acc2.load_state(str(tmp_path / f"ck{src_dynamo}"))
+        handle.remove()
+        want, got = plain(model.state_dict()), plain(model2.state_dict())
+        assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+        s1, s2 = opt.optimizer.state_dict()["state"], opt2.optimizer.state_dict()["state"]
+        assert all(torch.equal(s1[i]["exp_avg"], s2[i]["exp_avg"]) for i in s1)
+        acc2.free_memory()

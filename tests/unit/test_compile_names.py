@@ -1,0 +1,97 @@
+"""torch.compile'd modules are saved under the module's own names (no `_orig_mod.`): compiled and plain
+modules load each other's checkpoints, whole-model or per-block compiled, with their optimizers; a
+checkpoint saved with `_orig_mod.` names (data/format_v5, written by the code before this) still loads
+into both, and exports plain names. backend="eager": the names do not depend on the backend."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import bytecheckpoint as bcp
+from bytecheckpoint.state.modules import plain_name
+from bytecheckpoint.tools.export import export_safetensors
+
+OLD = Path(__file__).parent / "data" / "format_v5"   # {"model": torch.compile(net), "optimizer": AdamW, "step": 7}
+
+
+def _net(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+
+
+def _trained(model):
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(5, 4)).sum().backward()
+    opt.step()
+    return opt
+
+
+def _equal(a: nn.Module, b: nn.Module) -> bool:
+    sa, sb = ({plain_name(k): v for k, v in m.state_dict().items()} for m in (a, b))
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def _opt_equal(a, b) -> bool:
+    sa, sb = a.state_dict()["state"], b.state_dict()["state"]
+    return sa.keys() == sb.keys() and all(torch.equal(sa[i][n], sb[i][n]) for i in sa for n in sa[i])
+
+
+def _per_block(model):
+    model[0] = torch.compile(model[0], backend="eager")
+    return model
+
+
+@pytest.mark.parametrize("how", ["whole", "per_block"])
+def test_compiled_and_plain_load_each_other(tmp_path, how):
+    compile_ = (lambda m: torch.compile(m, backend="eager")) if how == "whole" else _per_block
+    src = compile_(_net())
+    opt = _trained(src)
+    assert any("_orig_mod" in k for k in src.state_dict())
+    bcp.save(tmp_path / "c", {"model": src, "optimizer": opt})
+    saved = bcp.Checkpointer().metadata(tmp_path / "c").tensors
+    assert saved and not any("_orig_mod" in k for k in saved), sorted(saved)
+    # compiled -> plain
+    plain = _net(1)
+    plain_opt = _trained(plain)
+    bcp.load(tmp_path / "c", {"model": plain, "optimizer": plain_opt})
+    assert _equal(plain, src) and _opt_equal(plain_opt, opt)
+    # plain -> compiled
+    _trained(plain)
+    bcp.save(tmp_path / "p", {"model": plain, "optimizer": plain_opt})
+    dst = compile_(_net(2))
+    dst_opt = _trained(dst)
+    bcp.load(tmp_path / "p", {"model": dst, "optimizer": dst_opt})
+    assert _equal(dst, plain) and _opt_equal(dst_opt, plain_opt)
+
+
+def test_old_checkpoint_with_orig_mod_names_loads_into_plain_and_compiled_and_exports_plain(tmp_path):
+    assert any(k.startswith("model/_orig_mod.") for k in bcp.Checkpointer().metadata(OLD).tensors)
+    saved = bcp.load_full(OLD)
+    want = {plain_name(k): v for k, v in saved["model"].items()}
+    for model in (_net(3), torch.compile(_net(3), backend="eager")):
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+        state = {"model": model, "optimizer": opt, "step": None}
+        bcp.load(OLD, state)
+        got = {plain_name(k): v for k, v in model.state_dict().items()}
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+        assert state["step"] == 7 and len(opt.state) == 4
+    result = export_safetensors(OLD, tmp_path / "hf")
+    from safetensors.torch import load_file
+    exported = load_file(str(tmp_path / "hf" / result.files[0]))
+    assert sorted(exported) == sorted(want) and all(torch.equal(exported[k], want[k]) for k in want)
+
+
+def test_two_names_that_collide_without_orig_mod_are_refused(tmp_path):
+    class Both(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+            self.register_module("_orig_mod", nn.Module())
+            self._orig_mod.lin = nn.Linear(2, 2)
+
+    with pytest.raises(bcp.StateMismatchError, match=r"_orig_mod\.lin\.weight.*lin\.weight|lin\.weight.*_orig_mod"):
+        bcp.save(tmp_path / "x", {"model": Both()})
+    assert not (tmp_path / "x" / "metadata.json").exists()
+    assert json.loads(json.dumps(plain_name("a._orig_mod.b._orig_mod.c"))) == "a.b.c"
