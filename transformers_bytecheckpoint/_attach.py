@@ -34,6 +34,7 @@ from bytecheckpoint.state.flatten import top_level_placeholders
 
 from . import _compat as compat
 from . import _folders as folders
+from . import _peft as peft
 from . import _rng as rng
 from . import _routes as routes
 from ._model_files import write_model_files
@@ -202,7 +203,7 @@ class TrainerAttachment:
 
     def _state(self, route: routes.Route, call: _SaveCall) -> Dict[str, Any]:
         tr, args = self._trainer, self._trainer.args
-        state: Dict[str, Any] = {route.model_key: _model(tr, route)}
+        state: Dict[str, Any] = _model_state(tr, route)
         if call.optimizer:
             if not route.optimizer_in_model:
                 state["optimizer"] = getattr(tr.optimizer, "optimizer", tr.optimizer)
@@ -233,7 +234,7 @@ class TrainerAttachment:
         if not self._active or call is None or not _internal_call:
             return original(output_dir, _internal_call)
         call.output_dir = os.fspath(output_dir)
-        write_model_files(self._trainer, call.output_dir)
+        write_model_files(self._trainer, call.output_dir, peft.model_of(self._trainer, routes.route_for(self._trainer)))
 
     def _w_save_optimizer_and_scheduler(self, original: Callable, output_dir: str) -> None:
         if not self._active or self._call is None:
@@ -301,18 +302,21 @@ class TrainerAttachment:
         route = routes.route_for(tr)
         path = folders.subdir(folder)
         comm = self._comm("load") if route.collective else Comm(bcp.LOCAL)
-        saved = comm.run(lambda: set(top_level_placeholders(self._ckpt.metadata(path, **self._storage).structure)),
-                         f"reading {path}")
-        if route.model_key not in saved:
+        md = comm.run(lambda: self._ckpt.metadata(path, **self._storage), f"reading {path}")
+        saved = set(top_level_placeholders(md.structure))
+        model_state = _model_state(tr, route, md)
+        if not set(model_state) <= saved:
             other = "engine" if route.model_key == "model" else "model"
             raise bcp.StateMismatchError(
                 f"{path} holds {sorted(saved)}: no {route.model_key!r}. "
                 + (f"It was saved {'with' if other == 'engine' else 'without'} DeepSpeed; resume it with the same "
                    f"kind of training (DeepSpeed <-> non-DeepSpeed checkpoints do not convert)." if other in saved else
+                   f"It holds a PEFT adapter: train the same peft.PeftModel (get_peft_model(base, config)) on one "
+                   f"process or DDP to resume it." if peft.KEY in saved else
                    "It is not a Trainer checkpoint of this adapter."))
-        if route is routes.REPLICATED and _custom_load_state_dict(_model(tr, route)):
+        if "model" in model_state and route is routes.REPLICATED and _custom_load_state_dict(_model(tr, route)):
             self._stock_model_load(path)
-        state: Dict[str, Any] = {route.model_key: _model(tr, route)}
+        state: Dict[str, Any] = dict(model_state)
         if "optimizer" in saved and not route.optimizer_in_model and tr.optimizer is not None:
             state["optimizer"] = getattr(tr.optimizer, "optimizer", tr.optimizer)
         if "scheduler" in saved and tr.lr_scheduler is not None:
@@ -348,12 +352,13 @@ class TrainerAttachment:
         route = routes.route_for(tr)
         path = folders.subdir(best)
         logger.info(f"Loading best model from {best} (score: {tr.state.best_metric}).")
-        if route is routes.REPLICATED and _custom_load_state_dict(_model(tr, route)):
+        model_state = _model_state(tr, route, self._ckpt.metadata(path, **self._storage))
+        if "model" in model_state and route is routes.REPLICATED and _custom_load_state_dict(_model(tr, route)):
             self._stock_model_load(path)
             return
         group = {} if route.collective else {"process_group": bcp.LOCAL}
-        # only the model (DeepSpeed: the engine, as the stock deepspeed_load_checkpoint loads it)
-        self._ckpt.load(path, {route.model_key: _model(tr, route)}, strict=False, **group, **self._storage)
+        # only the model (DeepSpeed: the engine, as the stock deepspeed_load_checkpoint loads it; PEFT: the adapters)
+        self._ckpt.load(path, model_state, strict=False, **group, **self._storage)
 
     def _stock_model_load(self, path: str) -> None:
         """A model that overrides load_state_dict (it may resize buffers, rename or drop keys) gets
@@ -375,6 +380,17 @@ class TrainerAttachment:
                 folders.rotate(self._ckpt, compat.output_dir(self._trainer, trial), args.save_total_limit,
                                self._trainer.state.best_model_checkpoint, self._storage)
         return original(trial, num_train_samples, start_time)
+
+
+def _model_state(trainer: Any, route: routes.Route, md: Optional["bcp.format.metadata.Metadata"] = None
+                 ) -> Dict[str, Any]:
+    """{"model": the model} ({"engine": ...} for DeepSpeed); a PeftModel: {"adapter": {name: view}}, the
+    stock Trainer's adapter-only checkpoint (_peft.py). A load (`md`) follows what was saved: a
+    checkpoint of a PEFT run that holds the whole model (written before adapter-only saves) loads it."""
+    model = peft.model_of(trainer, route)
+    if model is None or (md is not None and peft.KEY not in top_level_placeholders(md.structure)):
+        return {route.model_key: _model(trainer, route)}
+    return {peft.KEY: peft.views(model, None if md is None else md.tensors)}
 
 
 def _model(trainer: Any, route: routes.Route) -> Any:

@@ -40,6 +40,21 @@ class TensorEntry:
     grid: Optional[Tuple[Tuple[int, ...], ...]] = None  # DTensor: (mesh shape, sharded dim or -1 per mesh dim, coordinate)
 
 
+class ModuleView:
+    """A module's tensors under other names, or a subset of them (e.g. a PEFT adapter of a model):
+    saved as the flat dict `state_dict()` returns (its values the module's own tensors, or tensors
+    made from them); loaded in place into a fresh `state_dict()`, then `load_state_dict(that dict)`.
+    It counts as `module` where an optimizer's state is named by parameter (state/modules.py)."""
+
+    def __init__(self, module: nn.Module, state_dict: Callable[[], Any], load_state_dict: Callable[[Any], Any]):
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"ModuleView: module must be a torch.nn.Module, got {type(module).__name__}")
+        self.module, self.state_dict, self.load_state_dict = module, state_dict, load_state_dict
+
+    def __repr__(self) -> str:
+        return f"ModuleView({type(self.module).__name__})"
+
+
 @dataclass
 class Flat:
     """What a walk over the state produced."""
@@ -174,9 +189,10 @@ def _param_owners(state: Any) -> Dict[int, nn.Module]:
     def visit(v: Any, depth: int) -> None:
         if depth > 4:
             return
-        if isinstance(v, nn.Module):
-            for p in v.parameters():
-                owners.setdefault(id(p), v)
+        if isinstance(v, (nn.Module, ModuleView)):
+            module = v.module if isinstance(v, ModuleView) else v
+            for p in module.parameters():
+                owners.setdefault(id(p), module)
         elif isinstance(v, dict):
             for x in v.values():
                 visit(x, depth + 1)

@@ -16,7 +16,7 @@ from torch import nn
 from ..common.errors import StateMismatchError
 from ..format import codec
 from . import fsdp1, optimizers
-from .flatten import Handler, find_subtree, join
+from .flatten import Handler, ModuleView, find_subtree, join
 
 COMPILED_PREFIX = "_orig_mod"   # torch._dynamo's OptimizedModule holds the module under this attribute
 
@@ -68,6 +68,16 @@ class ModuleHandler(Handler):
         if fsdp1.holds_fsdp1(value):
             return fsdp1.load_module(value, key, walk)
         load_by_plain_names(value.state_dict(), value.load_state_dict, key, walk, f"module {key!r}")
+
+
+class ModuleViewHandler(Handler):
+    """bcp.ModuleView: its state dict, saved and loaded in place like a module's (plain names)."""
+
+    def save(self, value: ModuleView, key, walk):
+        return walk.save(plain_state_dict(value.state_dict(), f"module view {key!r}"), key)
+
+    def load(self, value: ModuleView, key, walk, assign):
+        load_by_plain_names(dict(value.state_dict()), value.load_state_dict, key, walk, f"module view {key!r}")
 
 
 def load_by_plain_names(live: Mapping[str, Any], load_state_dict, key: str, walk, where: str) -> None:

@@ -19,15 +19,16 @@ from .basic import (
     TupleHandler,
 )
 from .deepspeed_engine import ENGINE_CLASS, DeepSpeedEngineHandler
-from .flatten import TypeRegistry
-from .modules import ModuleHandler, OptimizerHandler
+from .flatten import ModuleView, TypeRegistry
+from .modules import ModuleHandler, ModuleViewHandler, OptimizerHandler
 
 
 def builtin_registry() -> TypeRegistry:
     registry = TypeRegistry(stateful=StatefulHandler(), plain=ObjectHandler())
     for typ, handler in ((dict, DictHandler()), (list, ListHandler()), (tuple, TupleHandler()),
                          (torch.Tensor, TensorHandler()), (Shard, ShardHandler()), (FlatShard, FlatShardHandler()),
-                         (nn.Module, ModuleHandler()), (torch.optim.Optimizer, OptimizerHandler())):
+                         (nn.Module, ModuleHandler()), (ModuleView, ModuleViewHandler()),
+                         (torch.optim.Optimizer, OptimizerHandler())):
         registry.register(typ, handler)
     for typ, handler in distributed.handlers():
         registry.register(typ, handler)

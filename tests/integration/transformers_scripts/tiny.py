@@ -29,6 +29,14 @@ def tiny_gpt2(dropout: float = 0.1, n_layer: int = 2, n_embd: int = 32, vocab: i
     return GPT2LMHeadModel(cfg)
 
 
+def tiny_lora(**kw):
+    """The tiny GPT-2 with a LoRA adapter on its attention (peft): only the adapter trains."""
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(tiny_gpt2(**kw), LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], lora_dropout=0.1,
+                                                      task_type="CAUSAL_LM"))
+
+
 def training_args(out: str, **overrides):
     from transformers import TrainingArguments
 

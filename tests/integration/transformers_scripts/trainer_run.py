@@ -3,7 +3,7 @@
 and what the adapter recorded to --dump.
 
     trainer_run.py --out DIR [--attach sync|async] [--resume PATH|true] [--max-steps N] [--save-steps K]
-                   [--save-total-limit L] [--deepspeed STAGE] [--dump FILE] [--state-at STEP]
+                   [--save-total-limit L] [--deepspeed STAGE] [--dump FILE] [--state-at STEP] [--peft]
 """
 import argparse
 import json
@@ -19,7 +19,7 @@ if "--deepspeed" in sys.argv:
 
 import torch  # noqa: E402
 
-from tiny import Tokens, losses, tiny_gpt2, training_args, weights  # noqa: E402
+from tiny import Tokens, losses, tiny_gpt2, tiny_lora, training_args, weights  # noqa: E402
 
 
 def main() -> None:
@@ -36,6 +36,7 @@ def main() -> None:
     p.add_argument("--save-final", default=None, help="trainer.save_model(DIR) after train()")
     p.add_argument("--dump", default=None)
     p.add_argument("--state-at", type=int, default=None, help="dump DeepSpeed's full view at this step / after load")
+    p.add_argument("--peft", action="store_true", help="a LoRA adapter on the tiny GPT-2 (tiny.tiny_lora)")
     a = p.parse_args()
     torch.set_num_threads(1)
     from transformers import Trainer, TrainerCallback
@@ -69,7 +70,7 @@ def main() -> None:
             if a.resume is not None and a.state_at is not None:
                 views["loaded"] = _full_view(trainer)
 
-    trainer = (_cpu_fsdp_trainer(Trainer) if a.fsdp is not None else Trainer)(model=tiny_gpt2(), args=args, train_dataset=Tokens(), callbacks=[FullView()])
+    trainer = (_cpu_fsdp_trainer(Trainer) if a.fsdp is not None else Trainer)(model=tiny_lora() if a.peft else tiny_gpt2(), args=args, train_dataset=Tokens(), callbacks=[FullView()])
     handle = None
     if a.attach != "none":
         from transformers_bytecheckpoint import attach
