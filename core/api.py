@@ -8,6 +8,7 @@ from .catalog.inspect import CheckpointInfo, VerifyReport
 from .catalog.retention import RetentionReport
 from .catalog.retention import latest as _latest
 from .checkpointer import default_checkpointer
+from .monitor import StatsReport
 from .pipeline.handles import SaveHandle
 
 
@@ -49,6 +50,12 @@ def verify(path, storage_options: Optional[Mapping[str, Any]] = None,
            progress: Optional[Callable[[int, int], None]] = None) -> VerifyReport:
     """Read every stored byte and check every checksum and the metadata's coverage."""
     return default_checkpointer().verify(path, storage_options=storage_options, progress=progress)
+
+
+def stats(path, *, load: bool = False, storage_options: Optional[Mapping[str, Any]] = None) -> StatsReport:
+    """Every rank's record of the save of `path` (load=True: of its last load): per-phase times
+    and the stragglers, as `bytecheckpoint stats` prints them (docs/monitoring.md)."""
+    return default_checkpointer().stats(path, load=load, storage_options=storage_options)
 
 
 def is_checkpoint(path, storage_options: Optional[Mapping[str, Any]] = None) -> bool:

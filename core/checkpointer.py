@@ -27,6 +27,7 @@ from .common.options import Options
 from .dist import zero_redundancy
 from .dist.comm import LOCAL, Comm
 from .format.metadata import METADATA_FILE, Metadata
+from .monitor import OFF, AsideWrites, Recorder, SaveStats, StatsReport, new_op_id, recorder
 from .pipeline import device_reads
 from .pipeline import load as loader
 from .pipeline import save as saving
@@ -87,6 +88,8 @@ class Checkpointer:
         self._tier = (local_tier_mod.TierState(local_tier, self.options.timeout_s, self.options.dead_peer_s)
                       if local_tier else None)
         self.last_load_stats = loader.LoadStats()
+        self.last_save_stats = SaveStats()  # the newest save()'s (its handle's .stats; complete once done)
+        self._aside = AsideWrites()  # stats records still being written (object stores)
         self.fault_rules = faults.Rules(fault_rules)  # test-only storage faults (storage/faults.py)
         self._pending = PendingSaves()
         self._runner = BackgroundRunner()
@@ -135,15 +138,19 @@ class Checkpointer:
         self._pending.raise_finished_failures()
         background = self.options.async_save if async_save is None else bool(async_save)
         comm = self._comm(process_group)
+        rec = OFF
         if tier == "local":
             target = local_tier_mod.LocalTarget(self._local_tier(), path, self.options.timeout_s)
         elif tier == "persistent":
+            rec = self._recorder("save", comm, path, t0)
             target = PersistentTarget(lambda: self.storage(path, storage_options), overwrite, self._read_metadata,
-                                      self.options.timeout_s, self.options.dead_peer_s)
+                                      self.options.timeout_s, self.options.dead_peer_s, rec)
         else:
             raise CheckpointError(f"save: tier must be 'persistent' or 'local', got {tier!r}")
-        return saving.save(self._save_resources(), target, comm, state, background=background, path=str(path),
-                           info=info, t0=t0)
+        handle = saving.save(self._save_resources(), target, comm, state, background=background, path=str(path),
+                             info=info, t0=t0, rec=rec)
+        self.last_save_stats = handle.stats
+        return handle
 
     def warm_up(self, state: Dict[str, Any], *, process_group: Any = _UNSET) -> int:
         """Prepare async saves of `state` ahead of the first one (collective, like save): plan it
@@ -173,11 +180,9 @@ class Checkpointer:
         if tier != "persistent":
             raise CheckpointError(f"load: tier must be 'persistent' or 'local', got {tier!r}")
         store = self.storage(path, storage_options)
-        comm.arrive(self.options.timeout_s, f"load of {store.url!r}")
-        md = comm.run_on_coordinator(lambda: self._read_metadata(store), "reading checkpoint metadata")
-        stats = loader.LoadStats()
+        md, stats = self._open_load(comm, store, path, arrive=True)
         shared = zero_redundancy.plan_shared if self._share(comm, store) else zero_redundancy.no_sharing
-        with Workers(self.options.threads) as workers:
+        with stats.finishing(store, md, self.options.record_stats == "all"), Workers(self.options.threads) as workers:
             loader.load(comm, store, workers, md, state, strict=strict, allow_pickle=allow_pickle, shared=shared,
                         stats=stats, registry=self.registry, fsdp1_route=self.options.fsdp1_route,
                         slabs=self._load_slabs())
@@ -190,9 +195,8 @@ class Checkpointer:
         self._check_open()
         comm = self._comm(process_group)
         store = self.storage(path, storage_options)
-        md = comm.run_on_coordinator(lambda: self._read_metadata(store), "reading checkpoint metadata")
-        stats = loader.LoadStats()
-        with Workers(self.options.threads) as workers:
+        md, stats = self._open_load(comm, store, path, arrive=False)
+        with stats.finishing(store, md, self.options.record_stats == "all"), Workers(self.options.threads) as workers:
             state = loader.load_full(comm, store, workers, md, keys=keys, allow_pickle=allow_pickle, stats=stats)
         self.last_load_stats = stats
         return state
@@ -230,6 +234,21 @@ class Checkpointer:
                   storage_options=storage_options)
         return Restored("persistent", newest[1], reason=why, state=state)
 
+    def _recorder(self, op: str, comm: Comm, path, t0: Optional[float] = None) -> Recorder:
+        return recorder(self.options.record_stats != "off", op, rank=comm.rank, world_size=comm.world_size,
+                        path=str(path), t0=t0, sink=self._aside)
+
+    def _open_load(self, comm: Comm, store: Storage, path, arrive: bool):
+        """A load's start: every rank's arrival, the metadata (with the load's id: no extra collective)."""
+        rec = self._recorder("load", comm, path)
+        if arrive:
+            with rec.span("arrive"):
+                comm.arrive(self.options.timeout_s, f"load of {store.url!r}")
+        with rec.span("metadata"):
+            md, rec.op_id = comm.run_on_coordinator(lambda: (self._read_metadata(store), new_op_id()),
+                                                    "reading checkpoint metadata")
+        return md, loader.LoadStats(rec)
+
     def _restore_local(self, comm: Comm, state: Optional[Dict[str, Any]], strict: bool, allow_pickle: bool,
                        choice: "restoring.LocalChoice") -> Restored:
         restored, stats = restoring.restore_local(self._local_tier(), comm, state, choice, strict=strict,
@@ -263,6 +282,13 @@ class Checkpointer:
     def inspect(self, path, *, storage_options: Any = _UNSET) -> "inspection.CheckpointInfo":
         self._check_open()
         return inspection.info(self.storage(path, storage_options), self._read_metadata, str(path))
+
+    def stats(self, path, *, load: bool = False, storage_options: Any = _UNSET) -> StatsReport:
+        """Every rank's record of the save of `path` (load=True: of its last load): per-phase
+        times and the stragglers (this process only; `bytecheckpoint stats`, docs/monitoring.md)."""
+        from .catalog.stats import read_stats
+        self._check_open()
+        return read_stats(self.storage(path, storage_options), self._read_metadata, str(path), load=load)
 
     def verify(self, path, *, storage_options: Any = _UNSET, progress=None) -> "inspection.VerifyReport":
         self._check_open()
@@ -305,6 +331,7 @@ class Checkpointer:
             self._pending.wait_all()
         finally:
             self._runner.join()
+            self._aside.settle()
 
     def close(self) -> None:
         """Wait for pending saves, then free the staging pool, threads, caches and storages. A

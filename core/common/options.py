@@ -22,6 +22,7 @@ ENV = {
     "BCP_FILE_IO": "local_io",
     "BCP_FSDP1_ROUTE": "fsdp1_route",
     "BCP_PINNED_LOAD_BYTES": "pinned_load_bytes",
+    "BCP_RECORD_STATS": "record_stats",
     # older names, kept working
     "BCP_COLLECTIVE_TIMEOUT_S": "timeout_s",
     "BCP_COPY_CONCURRENCY": "io_threads",
@@ -53,6 +54,10 @@ class Options:
     # Loads into GPU tensors read through this much page-locked host memory (slabs, allocated on
     # the first such load and kept until close()); 0: pageable reads and blocking copies instead.
     pinned_load_bytes: int = 64 << 20
+    # Each rank's phases of every save and load, kept beside the checkpoint (data-<id>/stats/, read by
+    # `bytecheckpoint stats`): "all"; "save" (loads record in memory and logs only, never write);
+    # "off" (nothing recorded; docs/monitoring.md).
+    record_stats: str = "all"
 
     def __post_init__(self) -> None:
         def bad(name: str, want: str) -> CheckpointError:
@@ -76,6 +81,8 @@ class Options:
             raise bad("local_io", '"posix" or "tensorstore"')
         if self.fsdp1_route not in ("flat", "sharded_tensor"):
             raise bad("fsdp1_route", '"flat" or "sharded_tensor"')
+        if self.record_stats not in ("all", "save", "off"):
+            raise bad("record_stats", '"all", "save" or "off"')
 
     @property
     def threads(self) -> int:
@@ -114,8 +121,23 @@ def _parse(var: str, name: str, raw: str, typ: str) -> Any:
             return text in ("1", "true", "yes", "on")
         if name in ("local_io", "fsdp1_route"):
             return text
+        if name == "record_stats":
+            return {"1": "all", "true": "all", "yes": "all", "on": "all", "0": "off", "false": "off",
+                    "no": "off"}.get(text, text)
         if "float" in typ:
             return float(text)
         return int(text)
     except ValueError:
         raise CheckpointError(f"environment variable {var}={raw!r} is not a valid {name}") from None
+
+
+def env_flag(var: str, default: bool, env: Optional[Mapping[str, str]] = None) -> bool:
+    """A yes/no default from the environment (e.g. BCP_LOG_METRICS for the adapters' metrics)."""
+    raw = (os.environ if env is None else env).get(var, "").strip().lower()
+    if not raw:
+        return default
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    if raw in ("0", "false", "no", "off"):
+        return False
+    raise CheckpointError(f"environment variable {var}={raw!r} must be 1/0 (true/false, yes/no, on/off)")

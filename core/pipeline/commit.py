@@ -19,6 +19,7 @@ import torch
 from ..common.errors import CheckpointError, CheckpointExistsError, PeerTimeoutError
 from ..dist.comm import Comm
 from ..format.metadata import CHECKSUM_TABLE_FILE, FORMAT_VERSION, METADATA_FILE, ArrayMeta, Metadata, ObjectFileMeta
+from ..monitor import OFF, Recorder
 from ..planning.planner import SavePlan
 from ..storage import Storage
 
@@ -91,9 +92,22 @@ def rooted(a: ArrayMeta, data_dir: str, checksums: Optional[Dict[str, Any]] = No
                      {k: tuple(v) for k, v in checksums.items()}, BLOCK_BYTES, dict(locations or {}), packs)
 
 
-def collect_by_collective(comm: Comm, local: RankResult, decide) -> None:
+def collect_by_collective(comm: Comm, local: RankResult, decide, rec: Recorder = OFF) -> None:
+    t0 = time.perf_counter()
     results = comm.gather(local)
-    comm.run_on_coordinator(lambda: decide(results), "committing the checkpoint")
+    t1 = time.perf_counter()
+    rec.add("commit.wait", t0, t1)
+    decided: List[float] = []
+
+    def run() -> None:
+        try:
+            decide(results)
+        finally:
+            decided.append(time.perf_counter())
+    try:
+        comm.run_on_coordinator(run, "committing the checkpoint")
+    finally:  # the coordinator's commit.metadata is its own phase: the outcome starts after it
+        rec.add("commit.outcome", decided[0] if decided else t1, time.perf_counter())
 
 
 class MarkerBoard:

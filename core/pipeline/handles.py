@@ -5,9 +5,10 @@ import atexit
 import sys
 import threading
 from concurrent.futures import Future
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 from ..common.errors import CheckpointError
+from ..monitor import SaveStats
 
 
 def _at_exit(fn) -> None:
@@ -33,7 +34,7 @@ class SaveHandle:
         self.path = path
         self._future = future
         self._pending = pending
-        self.stats: Dict[str, float] = {}
+        self.stats = SaveStats()  # a dict of today's numbers + .phases, .done, .record, .metrics()
 
     def wait(self, timeout: Optional[float] = None) -> "SaveHandle":
         if self._future is not None:

@@ -7,10 +7,12 @@ need are read once and shared when the Checkpointer's policy says it pays (dist/
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import time
 import zlib
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -27,6 +29,7 @@ from ..dist import zero_redundancy
 from ..dist.comm import Comm
 from ..format import codec
 from ..format.metadata import METADATA_FILE, Metadata, dtype_itemsize
+from ..monitor import OFF, Phase, Recorder, load_metrics, record_key, write_record
 from ..planning.planner import ReadItem, TargetSpec, check_targets, plan_load
 from ..state.flatten import Flat, TypeRegistry, build_from_structure, find_subtree, flatten_for_load, structure_leaves
 from ..storage import Storage, chunks, packs
@@ -36,9 +39,12 @@ from .write import DATA_PREFIX
 
 
 class LoadStats:
-    """Bytes this rank read from storage and received from peers during the last load."""
+    """Bytes this rank read from storage and received from peers during the last load, how long
+    it took (total_s) and, with recording on, its phases (docs/monitoring.md)."""
 
-    def __init__(self) -> None:
+    def __init__(self, rec: Recorder = OFF) -> None:
+        self.rec = rec
+        self.total_s: Optional[float] = None
         self.bytes_read = 0
         self.bytes_received = 0
         self.reads = 0
@@ -46,8 +52,43 @@ class LoadStats:
         self.device_bytes = 0      # bytes that went to device tensors through those slabs
         self.optimizer_state: Dict[str, str] = {}  # optimizer key -> how its fresh state was made
 
+    @property
+    def phases(self) -> Dict[str, Phase]:
+        return self.rec.phases()
+
+    @property
+    def record(self) -> Optional[Dict[str, Any]]:
+        """This rank's record of the load (None with recording off)."""
+        return self.rec.to_json() if self.rec.enabled and self.rec.done else None
+
+    def metrics(self, prefix: str = "checkpoint/") -> Dict[str, float]:
+        """checkpoint/load_s, load_bytes (read + received), load_mb_s."""
+        return load_metrics(self.total_s, self.bytes_read + self.bytes_received, prefix)
+
+    @contextlib.contextmanager
+    def finishing(self, store: Storage, md: Metadata, keep: bool) -> Iterator[None]:
+        """Around a load: finish() with its outcome."""
+        try:
+            yield
+        except BaseException as exc:
+            self.finish(store, md, keep, exc)
+            raise
+        self.finish(store, md, keep)
+
+    def finish(self, store: Optional[Storage], md: Optional[Metadata], keep: bool,
+               error: Optional[BaseException] = None) -> None:
+        """The load ended on this rank: its time, and (keep) its record beside the checkpoint in
+        data-<id>/stats/load/ (one per rank, replaced by the next load; never raises)."""
+        self.total_s = time.perf_counter() - self.rec.perf0 if self.rec.enabled else self.total_s
+        data_dir = md.info.get("data_dir") if md is not None else None
+        if keep and isinstance(data_dir, str) and data_dir:
+            write_record(self.rec, store, record_key(data_dir, "load", self.rec.rank), error)
+        else:
+            self.rec.finish(error)
+
     def __repr__(self) -> str:
-        return (f"LoadStats(bytes_read={self.bytes_read}, bytes_received={self.bytes_received}, reads={self.reads}, "
+        return (f"LoadStats(total_s={self.total_s}, bytes_read={self.bytes_read}, "
+                f"bytes_received={self.bytes_received}, reads={self.reads}, "
                 f"pinned_bytes={self.pinned_bytes}, device_bytes={self.device_bytes}, "
                 f"optimizer_state={self.optimizer_state})")
 
@@ -115,14 +156,24 @@ def read_chunks(store: Storage, workers: Workers, md: Metadata, needs: Needs, st
             rest.append((ref, parts))
     started = [(ref, chunks.ChunkRead(store, md.arrays[ref[0]], ref[1], parts)) for ref, parts in rest]
 
+    rec = stats.rec
+
     def finish(ref, read) -> int:  # I/O, checksum and copy release the GIL: run on the worker pool
-        return read.finish(f"{what} {ref[0]!r}", dtypes.to_torch(md.arrays[ref[0]].dtype))
+        t0 = time.perf_counter()
+        n = read.finish(f"{what} {ref[0]!r}", dtypes.to_torch(md.arrays[ref[0]].dtype))
+        rec.add("read.partial", t0, time.perf_counter(), n, 1)
+        return n
 
     def finish_run(run: packs.Run, views, request) -> int:
+        t0 = time.perf_counter()
         chunks.wait_for(request, run.key, what)
+        t1 = time.perf_counter()
         for (_, (ref, _)), view in zip(run.members, views):
             chunks.check(view, md.arrays[ref[0]], ref[1], f"{what} {ref[0]!r}")
-        return sum(len(v) for v in views)
+        n = sum(len(v) for v in views)
+        rec.add("read.io", t0, t1, n, len(views))
+        rec.add("read.check", t1, time.perf_counter(), n, len(views))
+        return n
 
     runs = []  # every request started at once (object stores: all in flight; local files: run lazily by a worker)
     for run in packs.plan_runs(located):
@@ -266,7 +317,8 @@ def load(comm: Comm, store: Storage, workers: Workers, md: Metadata, state: Dict
         return flat, missing, plan_load(md.tensors, targets), whole
 
     try:
-        flat, missing, reads, whole = comm.run(prepare, f"planning the load of {store.url!r}")
+        flat, missing, reads, whole = timed_run(comm, stats.rec, "plan.load", prepare,
+                                                f"planning the load of {store.url!r}")
         stats.optimizer_state.update(flat.notes)
         _read_into(comm, store, workers, md, flat, reads, whole, shared, stats, allow_pickle, slabs)
     except BaseException:
@@ -292,14 +344,21 @@ def _read_into(comm: Comm, store: Storage, workers: Workers, md: Metadata, flat:
             return target_view(whole[r.key], r.target_box)
         return target_view(flat.tensors[r.key].pieces[r.piece].tensor, r.target_box)
 
+    rec = stats.rec
     needs = chunk_needs(md, reads, [dest_of(r) for r in reads])
-    shared = shared(comm, md, needs)
+    with rec.span("share.plan"):
+        shared = shared(comm, md, needs)
 
     # the chunks only this rank needs, then the shared ones (read once, broadcast, pipelined)
     try:
-        comm.run(lambda: read_chunks(store, workers, md, shared.local_needs(needs), stats, "loading", slabs),
-                 f"reading {store.url!r}")
-        zero_redundancy.exchange(comm, store, workers, md, shared, needs, stats)
+        before = (stats.bytes_read, stats.reads)
+        timed_run(comm, rec, "read", lambda: read_chunks(store, workers, md, shared.local_needs(needs), stats,
+                                                         "loading", slabs),
+                  f"reading {store.url!r}", lambda: (stats.bytes_read - before[0], stats.reads - before[1]))
+        if shared.by_reader:
+            with rec.span("exchange") as span:
+                zero_redundancy.exchange(comm, store, workers, md, shared, needs, stats)
+                span.nbytes = stats.bytes_received
     except CheckpointError as exc:  # the state's tensors were being written: say so
         raise partly_written(exc)
 
@@ -321,7 +380,28 @@ def _read_into(comm: Comm, store: Storage, workers: Workers, md: Metadata, flat:
         for fin in flat.finalizers:
             fin()
 
-    comm.run(read_all, f"loading {store.url!r}")
+    timed_run(comm, rec, "objects", read_all, f"loading {store.url!r}")
+
+
+def timed_run(comm: Comm, rec: Recorder, name: str, fn, what: str, measure=None):
+    """comm.run(fn) recorded as `name` (fn on this rank; `measure()` -> (bytes, count) after it) and
+    `name`.wait (from there until every rank agreed)."""
+    if not rec.enabled:
+        return comm.run(fn, what)
+    ended: List[float] = []
+
+    def timed():
+        t0 = time.perf_counter()
+        try:
+            return fn()
+        finally:
+            ended.append(time.perf_counter())
+            rec.add(name, t0, ended[0], *(measure() if measure is not None else ()))
+    try:
+        return comm.run(timed, what)
+    finally:
+        if ended:
+            rec.add(name + ".wait", ended[0], time.perf_counter())
 
 
 def load_full(comm: Comm, store: Storage, workers: Workers, md: Metadata, *, keys: Optional[Sequence[str]],
@@ -351,4 +431,5 @@ def load_full(comm: Comm, store: Storage, workers: Workers, md: Metadata, *, key
             return build_from_structure(root, tensors, objects)
         return {k: build_from_structure(n, tensors, objects) for k, n in nodes.items()}
 
-    return comm.run(read, f"reading {store.url!r}")
+    stats = stats if stats is not None else LoadStats()
+    return timed_run(comm, stats.rec, "read", read, f"reading {store.url!r}", lambda: (stats.bytes_read, stats.reads))

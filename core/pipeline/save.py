@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional, Protocol, Tuple
 
 from ..dist.comm import Comm
+from ..monitor import OFF, Recorder
 from ..planning.planner import LocalPlan, SavePlan
 from ..state.flatten import TypeRegistry
 from . import save_plan, stage, write
@@ -43,24 +44,31 @@ class Target(Protocol):
 
 
 def save(res: SaveResources, target: Target, comm: Comm, state: Dict[str, Any], *, background: bool, path: str,
-         info: Dict[str, Any], t0: float) -> SaveHandle:
+         info: Dict[str, Any], t0: float, rec: Recorder = OFF) -> SaveHandle:
     """Collective: save `state` to `target`; returns once the state may change again (a sync save:
-    committed; an async save: copied out, the write and commit running in the background)."""
+    committed; an async save: copied out, the write and commit running in the background).
+    `rec`: this rank's record of the save (monitor/; the target's job finishes and writes it)."""
     # 1. flatten: walk the state (an async save of an unchanged layout starts its copies meanwhile)
     early = stage.early_copies(res.staging(), res.plans, comm.key) if background else None
     t_walk = time.perf_counter()
     try:
-        prepared = save_plan.prepare(state, res.registry, res.fsdp1_route, early.on_tensor if early else None)
+        with rec.span("walk"):
+            prepared = save_plan.prepare(state, res.registry, res.fsdp1_route, early.on_tensor if early else None)
         t_plan = time.perf_counter()
         # 2. plan: every rank arrives, then the cached plan is confirmed or a new one made
-        target.open(comm)
-        local, full, save_id, old_data = save_plan.plan(comm, prepared.manifest, res.plans, target.begin,
-                                                         prepared.error)
+        with rec.span("arrive"):
+            target.open(comm)
+        with rec.span("plan"):
+            local, full, save_id, old_data = save_plan.plan(comm, prepared.manifest, res.plans, target.begin,
+                                                             prepared.error)
+        rec.op_id = save_id
         data = write.sources(prepared.flat, local.writes)
-    except BaseException:
+    except BaseException as exc:
         stage.release(early)
+        rec.finish(exc)
         raise
     handle = SaveHandle(path, pending=res.pending)
+    handle.stats.attach(rec)
     handle.stats.update(walk_s=t_plan - t_walk, plan_s=time.perf_counter() - t_plan)
     written = target.writer(comm, local, full, save_id, old_data, prepared.flat.structure, prepared.objects_blob,
                             info)
@@ -72,8 +80,20 @@ def save(res: SaveResources, target: Target, comm: Comm, state: Dict[str, Any], 
         return handle
     # 3. stage into a slot (the caller waits for this only), then 4. write and 5. commit in the background
     stage.start(res.staging(), res.runner, res.threads, early, local, data, written, handle, res.closed, t0)
+    _record_stall(rec, handle.stats, data)
     res.pending.add(handle)
     return handle
+
+
+def _record_stall(rec: Recorder, stats: Dict[str, Any], data) -> None:
+    """An async save's caller-side copy, from the times stage.start measured."""
+    if not rec.enabled or "stall_s" not in stats:
+        return
+    done = rec.perf0 + stats["stall_s"]
+    wait = done - stats.get("copy_wait_s", 0.0)
+    rec.add("copy", wait - stats.get("copy_s", 0.0), wait, sum(t.numel() * t.element_size() for t in data), len(data))
+    rec.add("copy_wait", wait, done)
+    rec.set(stall_us=int(stats["stall_s"] * 1e6), async_save=True)
 
 
 def warm_up(res: SaveResources, comm: Comm, state: Dict[str, Any], timeout_s: float) -> int:

@@ -5,16 +5,18 @@ tiers/local.py); pipeline/save.py drives either.
 """
 from __future__ import annotations
 
+import time
 import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..common.errors import CheckpointError
+from ..common.errors import CheckpointError, CheckpointExistsError
 from ..dist.comm import Comm
 from ..format.metadata import Metadata, ObjectFileMeta
 from ..geometry.regions import relative
+from ..monitor import OFF, Recorder, record_key, write_record
 from ..planning.planner import LocalPlan, SavePlan, WriteItem
 from ..state.flatten import Flat, TensorEntry
 from ..storage import Storage, chunks, packs
@@ -45,18 +47,21 @@ def source_of(entry: TensorEntry, w: WriteItem) -> Optional[torch.Tensor]:
 
 
 def write_local(store: Storage, workers: Workers, data_dir: str, local: LocalPlan, data: Sequence[torch.Tensor],
-                objects_blob: bytes, rank: int) -> commit.WriteResult:
+                objects_blob: bytes, rank: int, rec: Recorder = OFF) -> commit.WriteResult:
     """Write this rank's boxes (format 5: into its pack files, storage/packs.py) and plain values;
     returns the object file entry, the block crc32s and the pack location of every chunk it wrote."""
     arrays = {p: commit.rooted(a, data_dir) for p, a in local.arrays.items()}
-    items = [(w.array, chunks.chunk_name(index), payload) for w, t in zip(local.writes, data)
-             for index, payload in chunks.encode_box(arrays[w.array], w.array_offsets, t)]
+    with rec.span("write.encode", count=len(data)):
+        items = [(w.array, chunks.chunk_name(index), payload) for w, t in zip(local.writes, data)
+                 for index, payload in chunks.encode_box(arrays[w.array], w.array_offsets, t)]
     obj_path = f"{data_dir}/objects/rank_{rank}.json"
     store.prepare([obj_path])
     checksums, locations = packs.write(store, workers, data_dir, rank, items, chunks.block_checksums,
-                                       chunks.BLOCK_BYTES)
-    store.put(obj_path, objects_blob)
-    store.sync()  # durable before reporting success (big packs were fdatasync'ed as written)
+                                       chunks.BLOCK_BYTES, rec if rec.enabled else None)
+    with rec.span("write.objects", len(objects_blob), 1):
+        store.put(obj_path, objects_blob)
+    with rec.span("write.sync"):
+        store.sync()  # durable before reporting success (big packs were fdatasync'ed as written)
     return ObjectFileMeta(rank, obj_path, len(objects_blob), zlib.crc32(objects_blob)), checksums, locations
 
 
@@ -75,6 +80,7 @@ class Job:
 
     data_prefix: str = DATA_PREFIX
     info: Optional[Dict[str, Any]] = None   # extra metadata info (training step, capture time)
+    rec: Recorder = OFF                     # this rank's record of the save (monitor/)
 
     @property
     def data_dir(self) -> str:
@@ -85,27 +91,56 @@ class Job:
                                   dead_peer_s)
 
     def _decide(self, results) -> None:
-        commit.write_metadata(self.store, self.full, self.save_id, self.data_dir, self.comm.world_size,
-                              self.structure, self.overwrite, self.old_data, results, self.info)
+        with self.rec.span("commit.metadata"):
+            commit.write_metadata(self.store, self.full, self.save_id, self.data_dir, self.comm.world_size,
+                                  self.structure, self.overwrite, self.old_data, results, self.info)
 
     def _write(self, workers: Workers, data: Sequence[torch.Tensor]) -> Tuple[commit.RankResult, Optional[Exception]]:
         try:
-            return (write_local(self.store, workers, self.data_dir, self.local, data, self.objects_blob,
-                                self.comm.rank), None), None
+            with self.rec.span("write", sum(t.numel() * t.element_size() for t in data) if self.rec.enabled else 0,
+                               len(data)):
+                return (write_local(self.store, workers, self.data_dir, self.local, data, self.objects_blob,
+                                    self.comm.rank, self.rec), None), None
         except Exception as exc:  # noqa: BLE001 - reported to the coordinator, raised on every rank
             return (None, f"{type(exc).__name__}: {exc}"), exc
 
+    def _record(self, error: Optional[BaseException]) -> None:
+        """This rank's record beside the data (after the commit or the failure; never part of it)."""
+        lost = isinstance(error, CheckpointExistsError) or "CheckpointExistsError" in str(error or "")
+        if self.rec.enabled and not lost:  # a losing job's data dir is gone: leave nothing behind
+            write_record(self.rec, self.store, record_key(self.data_dir, "save", self.comm.rank), error)
+
     def run_sync(self, workers: Workers, data: Sequence[torch.Tensor]) -> None:
         """On the caller's thread: write, then commit through a gather + broadcast."""
-        result, error = self._write(workers, data)
-        if self.comm.world_size == 1 and error is not None:
-            raise error
-        commit.collect_by_collective(self.comm, result, self._decide)
+        error: Optional[BaseException] = None
+        try:
+            result, error = self._write(workers, data)
+            if self.comm.world_size == 1 and error is not None:
+                raise error
+            commit.collect_by_collective(self.comm, result, self._decide, self.rec)
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            self._record(error)
 
-    def run_background(self, workers: Workers, data: Sequence[torch.Tensor], board: commit.MarkerBoard) -> None:
+    def run_background(self, workers: Workers, data: Sequence[torch.Tensor], board: commit.MarkerBoard,
+                       queued: Optional[float] = None) -> None:
         """On a background thread: write, then commit through marker objects (no collectives:
         training may tear its process group down while this runs). A save of one rank commits
-        directly: nobody needs its markers."""
+        directly: nobody needs its markers. `queued`: when the job was handed over (perf_counter)."""
+        if queued is not None:
+            self.rec.add("queue", queued, time.perf_counter())
+        error: Optional[BaseException] = None
+        try:
+            self._commit_background(workers, data, board)
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            self._record(error)
+
+    def _commit_background(self, workers: Workers, data: Sequence[torch.Tensor], board: commit.MarkerBoard) -> None:
         result, error = self._write(workers, data)
         if self.comm.world_size == 1:
             if error is not None:
@@ -114,11 +149,14 @@ class Job:
             return
         board.publish(result)
         if not self.comm.is_coordinator:
-            board.outcome()
+            with self.rec.span("commit.outcome"):
+                board.outcome()
             return
         error: Optional[BaseException] = None
         try:
-            self._decide(board.collect())
+            with self.rec.span("commit.wait"):
+                results = board.collect()
+            self._decide(results)
         except BaseException as exc:  # noqa: BLE001 - announced to every rank, then re-raised here
             error = exc
         board.announce(error)
@@ -139,9 +177,10 @@ class PersistentTarget:
     """A save to a checkpoint directory or object-store prefix (the usual target)."""
 
     def __init__(self, open_store: Callable[[], Storage], overwrite: bool,
-                 read_metadata: Callable[[Storage], Metadata], timeout_s: float, dead_peer_s: float) -> None:
+                 read_metadata: Callable[[Storage], Metadata], timeout_s: float, dead_peer_s: float,
+                 rec: Recorder = OFF) -> None:
         self._open_store, self.overwrite, self._read_metadata = open_store, overwrite, read_metadata
-        self.timeout_s, self.dead_peer_s = timeout_s, dead_peer_s
+        self.timeout_s, self.dead_peer_s, self.rec = timeout_s, dead_peer_s, rec
         self.store: Optional[Storage] = None
 
     def open(self, comm: Comm) -> None:
@@ -158,11 +197,13 @@ class PersistentTarget:
     def writer(self, comm: Comm, local: LocalPlan, full: Optional[SavePlan], save_id: str, old_data: Optional[str],
                structure: Any, objects_blob: bytes, info: Dict[str, Any]) -> Written:
         job = Job(comm, self.store, local, full, save_id, old_data, structure, self.overwrite, objects_blob,
-                  info=info)
+                  info=info, rec=self.rec)
 
         def start_background():
             board = job.board(self.timeout_s, self.dead_peer_s)
-            return (lambda workers, data: job.run_background(workers, data, board)), lambda: board.heartbeat().start()
+            queued = time.perf_counter()
+            return ((lambda workers, data: job.run_background(workers, data, board, queued)),
+                    lambda: board.heartbeat().start())
         return Written(job.run_sync, start_background)
 
 

@@ -93,6 +93,15 @@ class Storage(abc.ABC):
         return False (and write nothing) when the key exists. durable=True: on stable storage
         when this returns."""
 
+    def put_aside(self, key: str, data: bytes) -> Request:
+        """Write a small informational object (a stats record) off the critical path: atomic for
+        readers, never fsynced, never part of a later sync(); may still be in flight on return
+        (object stores). Errors surface from result() only."""
+        try:
+            return Done(self.put(key, data))
+        except Exception as exc:  # noqa: BLE001 - delivered through the request
+            return Done(error=exc)
+
     @abc.abstractmethod
     def list(self, prefix: str = "") -> List[str]:
         """Every key under `prefix`, sorted."""

@@ -202,6 +202,9 @@ class FaultyStorage(Storage):
         self._check("write", key)
         return self._inner.put(key, data, if_absent=if_absent, durable=durable)
 
+    def put_aside(self, key: str, data: bytes) -> Request:
+        return self._bulk("write", key, lambda: self._inner.put_aside(key, data))
+
     def list(self, prefix: str = "") -> List[str]:
         self._check("list", prefix)
         return self._inner.list(prefix)

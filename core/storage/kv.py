@@ -14,7 +14,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import tensorstore as ts
 
 from ..common.errors import CheckpointError, CorruptCheckpointError
-from .base import Request, Storage, Version, check_key_inside
+from .base import Done, Request, Storage, Version, check_key_inside
 from .errors import classify
 
 
@@ -135,6 +135,13 @@ class KvStorage(Storage):
             self.sync()
         return written
 
+    def put_aside(self, key: str, data: bytes) -> Request:
+        """One PUT started, not waited for (a stats record: off the critical path)."""
+        try:
+            return _Pending(self, self.kv.write(key, data), key, "writing")
+        except Exception as exc:  # noqa: BLE001 - delivered through the request
+            return Done(error=exc)
+
     def list(self, prefix: str = "") -> List[str]:
         rng = ts.KvStore.KeyRange(inclusive_min=prefix, exclusive_max=_prefix_end(prefix)) if prefix else None
         fut = self.kv.list(rng) if rng is not None else self.kv.list()
@@ -227,6 +234,9 @@ class ReadOnlyKvStorage(KvStorage):
 
     def put(self, key: str, data: bytes, *, if_absent: bool = False, durable: bool = False) -> bool:
         raise self._read_only("write")
+
+    def put_aside(self, key: str, data: bytes) -> Request:
+        return Done(error=self._read_only("write"))
 
     def delete(self, key: str) -> None:
         raise self._read_only("delete")

@@ -11,6 +11,7 @@ metadata records, per chunk, (pack index, offset); the pack names are listed onc
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import Dict, List, Sequence, Tuple
 
@@ -56,10 +57,11 @@ def layout(sizes: Sequence[int]) -> Tuple[int, List[Slot]]:
 Item = Tuple[str, str, np.ndarray]  # (array path, chunk name, payload)
 
 
-def write(storage, workers, data_dir: str, rank: int, items: Sequence[Item], block_checksums, block_bytes: int
-          ) -> Tuple[Dict[str, Dict[str, Tuple[int, ...]]], Dict[str, Dict[str, Tuple[str, int]]]]:
+def write(storage, workers, data_dir: str, rank: int, items: Sequence[Item], block_checksums, block_bytes: int,
+          rec=None) -> Tuple[Dict[str, Dict[str, Tuple[int, ...]]], Dict[str, Dict[str, Tuple[str, int]]]]:
     """Write `items` into this rank's packs; returns ({array: {chunk: block crc32s}},
-    {array: {chunk: (pack key, offset)}})."""
+    {array: {chunk: (pack key, offset)}}). `rec` (a monitor Recorder) gets a "write.pack" span
+    per pack."""
     views = [memoryview(np.ascontiguousarray(p)).cast("B") for _, _, p in items]
     n, slots = layout([len(v) for v in views])
     keys = [pack_key(data_dir, rank, k) for k in range(n)]
@@ -69,6 +71,7 @@ def write(storage, workers, data_dir: str, rank: int, items: Sequence[Item], blo
     storage.prepare(keys)
 
     def write_pack(k: int) -> Dict[int, Tuple[int, ...]]:
+        t0 = time.perf_counter()
         parts: List[memoryview] = []
         sums: Dict[int, Tuple[int, ...]] = {}
         pos = 0
@@ -86,6 +89,8 @@ def write(storage, workers, data_dir: str, rank: int, items: Sequence[Item], blo
             first = items[members[k][0]] if members[k] else ("", "", None)
             raise CheckpointError(f"writing pack file {keys[k]} ({len(members[k])} chunks, e.g. {first[0]!r}) "
                                   f"failed: {exc}") from exc
+        if rec is not None:
+            rec.add("write.pack", t0, time.perf_counter(), pos, len(members[k]))
         return sums
 
     checksums: Dict[str, Dict[str, Tuple[int, ...]]] = {}

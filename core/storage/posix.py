@@ -242,6 +242,21 @@ class PosixStorage(Storage):
             raise classify_os_error(exc, f"writing {self.where(key)!r}", self.url) from exc
         return True
 
+    def put_aside(self, key: str, data: bytes) -> Request:
+        """A stats record: tmp + rename, created with its directories, never fsynced and never
+        added to what sync() flushes (the next save's sync must not pay for it)."""
+        path = self._path(key)
+        tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        except OSError as exc:
+            _unlink_quietly(tmp)
+            return Done(error=classify_os_error(exc, f"writing {self.where(key)!r}", self.url))
+        return Done(True)
+
     def list(self, prefix: str = "") -> List[str]:
         out: List[str] = []
         base = self.root.rstrip("/")

@@ -1,44 +1,150 @@
-"""Command line: python -m bytecheckpoint {inspect,verify,export,import} ..."""
+"""Command line: python -m bytecheckpoint {inspect,verify,stats,export,import} ...
+
+Argument parsing and printing only: what is printed comes from the engine (catalog/, monitor/).
+Every command exits quietly with 141 when its reader goes away (`| head`)."""
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
 import sys
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
+from ..catalog.inspect import CheckpointInfo, TensorInfo, fold, natural_key, summarize
 from ..common.errors import CheckpointError
+from ..monitor.record import human_bytes as _human
+
+FULL_TABLE_MAX = 30      # checkpoints with at most this many tensors list them all by default
+LARGEST = 5
 
 
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
+def _print_table(rows: Sequence[Sequence[str]], name_width: int = 0) -> None:
+    """Columns padded to their widest cell; with name_width, the first column is folded to it."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    if name_width:
+        widths[0] = min(widths[0], name_width)
+    for r in rows:
+        names = fold(r[0], widths[0]) if name_width else [r[0]]
+        print("  ".join([names[0].ljust(widths[0])] + [c.ljust(w) for c, w in zip(r[1:], widths[1:])]).rstrip())
+        for extra in names[1:]:
+            print(extra)
+
+
+def _counts(c) -> str:
+    return ", ".join(f"{k} {v}" if len(c) > 1 else str(k) for k, v in c.most_common())
+
+
+def _tensor_rows(tensors: Sequence[TensorInfo]) -> List[Sequence[str]]:
+    rows = [("name", "dtype", "shape", "layout", "holders", "shards", "bytes")]
+    for t in sorted(tensors, key=lambda t: natural_key(t.name)):
+        rows.append((t.name, t.dtype, "x".join(map(str, t.shape)) or "scalar", t.layout, str(t.holders),
+                     str(t.shards), _human(t.nbytes)))
+    return rows
+
+
+def _listing(names: Sequence[str], room: int) -> str:
+    out, used = [], 0
+    for i, n in enumerate(names):
+        if used + len(n) + 2 > room and out:
+            return ", ".join(out) + f" ... ({len(names) - i} more)"
+        out.append(n)
+        used += len(n) + 2
+    return ", ".join(out)
 
 
 def cmd_inspect(args) -> int:
     from ..api import inspect
-    info = inspect(args.path)
+    info: CheckpointInfo = inspect(args.path)
     if args.json:
         print(json.dumps(info.to_dict(), indent=1, default=str))
         return 0 if info.complete else 2
     if not info.complete:
         print(f"INCOMPLETE: {info.problem}")
         return 2
-    print(f"{info.path}: bytecheckpoint format v{info.format_version}, saved by {info.world_size} rank(s), "
-          f"{len(info.tensors)} tensors, {_human(info.nbytes)}")
-    rows = [("name", "dtype", "shape", "layout", "holders", "shards", "bytes")]
-    for t in sorted(info.tensors, key=lambda t: t.name):
-        rows.append((t.name, t.dtype, "x".join(map(str, t.shape)) or "scalar", t.layout, str(t.holders),
-                     str(t.shards), _human(t.nbytes)))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for r in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    columns = shutil.get_terminal_size((120, 24)).columns
+    width = 0 if args.wide else max(40, columns - 60)
+    step = info.info.get("step")
+    print(f"{info.path}: bytecheckpoint format v{info.format_version}, saved by {info.world_size} rank(s)"
+          f"{f' at step {step}' if step is not None else ''}, {len(info.tensors)} tensors, {_human(info.nbytes)}")
+    sizes = ", ".join(f"rank {r}: {_human(n)}" for r, n in sorted(info.objects.items())[:4])
+    sizes += f" ... ({len(info.objects)} ranks)" if len(info.objects) > 4 else ""
+    if args.group is not None:
+        prefix = args.group.rstrip("/")
+        tensors = [t for t in info.tensors if t.name == prefix or t.name.startswith(prefix + "/")]
+        values = [v for v in info.values if v == prefix or v.startswith(prefix + "/")]
+        if not tensors and not values:
+            groups = [g.name for g in summarize(info.tensors, info.values, args.depth)]
+            raise CheckpointError(f"no key under {args.group!r}; groups: {_listing(groups, 200)}")
+        if tensors:
+            _print_table(_tensor_rows(tensors), width)
+        if values:
+            print(f"plain values: {_listing(values, columns - 14)}")
+        return 0
+    if args.all or len(info.tensors) <= FULL_TABLE_MAX:
+        _print_table(_tensor_rows(info.tensors), width)
+        if info.objects:
+            print(f"plain values ({sizes}): {_listing(info.values, max(40, columns - 30 - len(sizes)))}")
+        return 0
+    print()
+    rows = [("group", "tensors", "bytes", "dtypes", "layout", "values")]
+    only_values = []
+    for g in summarize(info.tensors, info.values, args.depth):
+        if not g.tensors:
+            only_values.append(g.name)
+            continue
+        rows.append((g.name, str(g.tensors), _human(g.nbytes), _counts(g.dtypes), _counts(g.layouts),
+                     str(g.values) if g.values else ""))
+    _print_table(rows, width)
     if info.objects:
-        print(f"plain values: {', '.join(f'rank {r}: {_human(n)}' for r, n in sorted(info.objects.items()))}")
+        print(f"plain values ({sizes}): {_listing(only_values, max(40, columns - 30 - len(sizes)))}")
+    print("\nlargest tensors:")
+    big = sorted(info.tensors, key=lambda t: (-t.nbytes, natural_key(t.name)))[:LARGEST]
+    _print_table([("  " + t.name, t.dtype, "x".join(map(str, t.shape)) or "scalar", _human(t.nbytes))
+                  for t in big], width)
+    print(f"\n{len(info.tensors)} tensors: --all lists every one, --group PREFIX one group, --json all of it")
     return 0
+
+
+def cmd_stats(args) -> int:
+    from ..api import stats
+    from ..monitor import chrome_trace, render, render_many
+    if len(args.paths) > 1:
+        if args.trace or args.plot:
+            raise ValueError("--trace and --plot take one PATH")
+        reports, failed = [], 0
+        for path in args.paths:
+            try:
+                reports.append(stats(path, load=args.load))
+            except CheckpointError as exc:
+                failed += 1
+                print(f"{path}: {exc}", file=sys.stderr)
+        if args.json:
+            print(json.dumps([r.to_dict() for r in reports], indent=1))
+        else:
+            print(render_many(reports))
+        return 0 if reports else 2
+    report = stats(args.paths[0], load=args.load)
+    if args.top != 3:
+        from ..monitor import analyze
+        report = analyze(report.records, report.world_size, path=report.path, op=report.op, op_id=report.op_id,
+                         damaged=report.damaged, stale=report.stale, committed=report.committed, top=args.top)
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=1))
+    else:
+        print(render(report, details=args.details))
+    if args.trace:
+        with open(args.trace, "w") as f:
+            json.dump(chrome_trace(report), f)
+        print(f"trace: {args.trace} (open it in https://ui.perfetto.dev or chrome://tracing)",
+              file=sys.stderr if args.json else sys.stdout)
+    if args.plot:
+        from ..monitor.plot import plot
+        plot(report, args.plot)
+        print(f"plot: {args.plot}", file=sys.stderr if args.json else sys.stdout)
+    if not args.json and not args.trace and len(report.ranks) > 1:
+        print("(--details: sub-phases; --trace FILE: a timeline for ui.perfetto.dev; --plot FILE: a picture)")
+    return 0 if report.committed else 2
 
 
 def _bar(show: bool):
@@ -124,10 +230,28 @@ def _dtype(text: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bytecheckpoint", description="Inspect, verify and convert checkpoints")
     sub = p.add_subparsers(dest="command", required=True)
-    s = sub.add_parser("inspect", help="list tensors, shapes, dtypes, layout and sizes")
+    s = sub.add_parser("inspect", help="tensors, shapes, dtypes, layout and sizes: a summary per group, "
+                                       "then (or with --all) every tensor")
     s.add_argument("path")
+    s.add_argument("--all", action="store_true", help="list every tensor (the default up to 30 tensors)")
+    s.add_argument("--group", metavar="PREFIX", help="list the tensors and plain values under PREFIX")
+    s.add_argument("--depth", type=int, default=1, help="key parts that make a group (default 1)")
+    s.add_argument("--wide", action="store_true", help="never fold long names (one line per tensor, for grep)")
     s.add_argument("--json", action="store_true", help="machine-readable output")
     s.set_defaults(func=cmd_inspect)
+    s = sub.add_parser("stats", help="where every rank's save (or last load) time went; the stragglers",
+                       description="Every rank's record of the save of PATH (kept beside the checkpoint): the "
+                                   "time per phase (median, max, slowest ranks) and the stragglers, named with "
+                                   "the phase that made them slow. Several PATHs: one line each, then the ranks "
+                                   "slow more than once.")
+    s.add_argument("paths", nargs="+", metavar="PATH")
+    s.add_argument("--load", action="store_true", help="the last load of the checkpoint instead of its save")
+    s.add_argument("--details", action="store_true", help="sub-phases (write.pack, read.io, ...) too")
+    s.add_argument("--top", type=int, default=3, help="slowest ranks shown per phase (default 3)")
+    s.add_argument("--json", action="store_true", help="machine-readable report")
+    s.add_argument("--trace", metavar="FILE", help="write a Chrome / Perfetto trace (one process per rank)")
+    s.add_argument("--plot", metavar="FILE", help="draw every rank's phases (png, svg, pdf; needs matplotlib)")
+    s.set_defaults(func=cmd_stats)
     s = sub.add_parser("verify", help="check every checksum; exit 0 only when intact")
     s.add_argument("path")
     s.set_defaults(func=cmd_verify)
@@ -169,7 +293,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
-    except (CheckpointError, ValueError, OSError) as exc:
+        code = args.func(args)
+        sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
+        return code
+    except BrokenPipeError:  # the reader went away (`| head`): say nothing more
+        # stdout to devnull, so the interpreter's last flush cannot fail again (Python's signal docs)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what a Unix tool killed by the closed pipe reports
+    except (CheckpointError, ValueError, OSError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

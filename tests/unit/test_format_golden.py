@@ -17,6 +17,15 @@ import torch
 import bytecheckpoint as bcp
 
 
+@pytest.fixture(autouse=True)
+def _fixtures_stay_as_committed(monkeypatch):
+    """The checkpoints under data/ belong to the repository: loading them writes no load record
+    beside them (record_stats="save": records in memory only; bcp.load's engine made anew)."""
+    import bytecheckpoint.checkpointer as engine
+    monkeypatch.setenv("BCP_RECORD_STATS", "save")
+    monkeypatch.setattr(engine, "_DEFAULT", None)
+
+
 def _save(tmp_path):
     state = {"model": {"w": torch.arange(12, dtype=torch.float32).view(3, 4),
                        "b": torch.arange(3, dtype=torch.bfloat16)},
@@ -43,7 +52,9 @@ def test_layout_and_metadata(tmp_path):
     # format 5: every chunk of the rank in one pack file (a rank with more bytes writes up to 4)
     assert body["packs"] == [f"{data_dir}/pack/0-0.bin"]
     files = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
-    assert files == sorted(["metadata.json", f"{data_dir}/objects/rank_0.json", f"{data_dir}/pack/0-0.bin"])
+    # + this rank's stats record (informational, never part of the commit: docs/format.md "stats/")
+    assert files == sorted(["metadata.json", f"{data_dir}/objects/rank_0.json", f"{data_dir}/pack/0-0.bin",
+                            f"{data_dir}/stats/save/rank_0.json"])
     w = body["tensors"]["model/w"]
     name = f"model.w~{zlib.crc32(b'model/w'):08x}"
     # a plain tensor is the trivial regular layout: a 1-D mesh of its holders, all replicating
@@ -104,7 +115,7 @@ def test_format_v3_v4_checkpoints_still_load_verify_and_open_with_tensorstore(fi
     assert torch.equal(state["big"], torch.arange(2048.0).view(64, 32))
     assert bcp.verify(fixture).ok and bcp.inspect(fixture).format_version == version
     part = bcp.Shard(torch.zeros(8, 32), (64, 32), (16, 0))
-    bcp.Checkpointer().load(fixture, {"big": part}, strict=False)
+    bcp.Checkpointer(record_stats="save").load(fixture, {"big": part}, strict=False)
     assert torch.equal(part.local, torch.arange(2048.0).view(64, 32)[16:24])
     for key, t in body["tensors"].items():
         arr = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(fixture / t["array"]) + "/"}}
@@ -144,7 +155,7 @@ def test_format_v1_checkpoint_still_loads_and_verifies(tmp_path):
     assert bcp.verify(V1).ok
     # a part of a v1 chunk is read as the whole chunk (one crc32 per chunk) and still checked
     part = bcp.Shard(torch.zeros(8, 32), (64, 32), (16, 0))
-    ck = bcp.Checkpointer()
+    ck = bcp.Checkpointer(record_stats="save")
     ck.load(V1, {"big": part}, strict=False)
     assert torch.equal(part.local, torch.arange(2048.0).view(64, 32)[16:24])
     assert ck.last_load_stats.bytes_read == 64 * 32 * 4
@@ -205,7 +216,7 @@ def test_format_v2_checkpoint_still_loads_and_verifies():
     assert torch.equal(state["big"], torch.arange(2048.0).view(64, 32))
     assert bcp.verify(V2).ok and bcp.inspect(V2).format_version == 2
     part = bcp.Shard(torch.zeros(8, 32), (64, 32), (16, 0))
-    bcp.Checkpointer().load(V2, {"big": part}, strict=False)
+    bcp.Checkpointer(record_stats="save").load(V2, {"big": part}, strict=False)
     assert torch.equal(part.local, torch.arange(2048.0).view(64, 32)[16:24])
 
 
