@@ -35,6 +35,7 @@ from . import _agreement
 from ._agreement import CHECKPOINT_SUBDIR, LEGACY_MODEL_FILES, save_on_each_node
 from . import _compat as compat
 from . import _routes as routes
+from ._metrics import MetricsLog
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +75,9 @@ class ByteCheckpointAttachment:
     """Handle returned by :func:`attach`. ``remove()`` restores Accelerate's default behaviour."""
 
     def __init__(self, accelerator: Any, checkpointer: "bcp.Checkpointer", *, owns_checkpointer: bool,
-                 async_save: Optional[bool], storage_options: Optional[dict], collective_save: bool) -> None:
+                 async_save: Optional[bool], storage_options: Optional[dict], collective_save: bool,
+                 log_metrics: Optional[bool] = None, metrics_step: Optional[Callable[[], int]] = None) -> None:
+        self._metrics = MetricsLog(accelerator, log_metrics, metrics_step)  # checkpoint/... via accelerator.log
         self._accelerator = accelerator
         self._ckpt = checkpointer
         self._owns = owns_checkpointer
@@ -121,6 +124,7 @@ class ByteCheckpointAttachment:
     def wait(self) -> None:
         """Block until every async save of the checkpointer is committed; re-raises a failure."""
         self._ckpt.wait()
+        self._metrics.flush()
 
     def latest(self) -> Optional[str]:
         """With ``ProjectConfiguration(automatic_checkpoint_naming=True)``: the ``checkpoint_<n>``
@@ -228,6 +232,7 @@ class ByteCheckpointAttachment:
             return original(*args, **kwargs)
         # The previous save must be committed before Accelerate may prune folders (total_limit).
         self._ckpt.wait()
+        self._metrics.flush()
         _agreement.continue_naming(self._accelerator)  # never onto an existing (e.g. torn) checkpoint_<n>
         call = self._begin("save", routes.route_for(self._accelerator, compat.models(self._accelerator)))
         try:
@@ -265,6 +270,7 @@ class ByteCheckpointAttachment:
     def _wrapped_end_training(self, original: Callable, *args: Any, **kwargs: Any) -> Any:
         if self._active:
             self._ckpt.wait()  # an async commit may still need the process group end_training destroys
+            self._metrics.flush()  # before the trackers finish
         return original(*args, **kwargs)
 
     # ------------------------------------------------------------------ hooks
@@ -329,6 +335,7 @@ class ByteCheckpointAttachment:
         state = self._state(call, targets)
         group = {} if route.sharded else {"process_group": bcp.LOCAL}
         self._ckpt.load(path, state, strict=call.strict, **group, **self._storage)
+        self._metrics.loaded(self._ckpt.last_load_stats)
         loaded = [call.models[i] for i in targets]
         models[:] = [m for m in models if not _contains(loaded, m)]  # Accelerate loads none of them again
         step = state.get("accelerator", {}).get("step")
@@ -408,8 +415,9 @@ class ByteCheckpointAttachment:
             return
         path = os.path.join(call.directory, CHECKPOINT_SUBDIR)
         group = {} if collective else {"process_group": bcp.LOCAL}
-        self._ckpt.save(path, self._state(call, call.kept), overwrite=True,  # as Accelerate overwrites its files
-                        **group, **self._overrides, **self._storage)
+        handle = self._ckpt.save(path, self._state(call, call.kept), overwrite=True,  # as Accelerate overwrites
+                                 **group, **self._overrides, **self._storage)
+        self._metrics.saved(handle)
         logger.info("bytecheckpoint: models/optimizers %s to %s", "saving" if self._async else "saved", path)
 
     def _state(self, call: _Call, indexes: List[int]) -> Dict[str, Any]:
@@ -444,7 +452,8 @@ class ByteCheckpointAttachment:
 
 
 def attach(accelerator: Any, checkpointer: Optional["bcp.Checkpointer"] = None, *, async_save: Optional[bool] = None,
-           storage_options: Optional[dict] = None, collective_save: bool = False) -> ByteCheckpointAttachment:
+           storage_options: Optional[dict] = None, collective_save: bool = False, log_metrics: Optional[bool] = None,
+           metrics_step: Optional[Callable[[], int]] = None) -> ByteCheckpointAttachment:
     """Make ``accelerator.save_state`` / ``load_state`` write and read models and optimizers with
     bytecheckpoint (``<checkpoint dir>/bytecheckpoint``), reshardable to any process count.
 
@@ -461,6 +470,8 @@ def attach(accelerator: Any, checkpointer: Optional["bcp.Checkpointer"] = None, 
             of the replicated state, so ``save_state`` must be called on every process (a missing
             process is an error after ``timeout_s``). Default: the main process writes alone and
             ``save_state`` may be called on the main process only or on every process.
+        log_metrics: ``checkpoint/...`` metrics through ``accelerator.log`` (default on unless
+            BCP_LOG_METRICS=0), at ``metrics_step()`` (default: the checkpoint count). docs/monitoring.md.
     """
     import accelerate
 
@@ -478,6 +489,7 @@ def attach(accelerator: Any, checkpointer: Optional["bcp.Checkpointer"] = None, 
     else:
         owns = False
     attachment = ByteCheckpointAttachment(accelerator, checkpointer, owns_checkpointer=owns, async_save=async_save,
-                                          storage_options=storage_options, collective_save=collective_save)
+                                          storage_options=storage_options, collective_save=collective_save,
+                                          log_metrics=log_metrics, metrics_step=metrics_step)
     attachment._install()
     return attachment

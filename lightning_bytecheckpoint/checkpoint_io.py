@@ -35,7 +35,7 @@ from lightning.pytorch.plugins.io.torch_plugin import TorchCheckpointIO
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from . import _compat, _state
+from . import _compat, _metrics, _state
 
 log = logging.getLogger(__name__)
 
@@ -63,10 +63,14 @@ class ByteCheckpointIO(CheckpointIO):
             ``trainer.save_checkpoint(..., storage_options=...)`` entries take precedence.
         restore_rng: save the saving rank's torch/numpy/python (and CUDA) RNG states and restore
             them on load.
+        log_metrics: log ``checkpoint/...`` metrics (stall, save and load seconds, bytes,
+            throughput) to the Trainer's loggers (docs/monitoring.md). ``None``: on, unless
+            ``BCP_LOG_METRICS=0``.
     """
 
     def __init__(self, checkpointer: Optional[bcp.Checkpointer] = None, *, async_save: Optional[bool] = None,
-                 storage_options: Optional[Mapping[str, Any]] = None, restore_rng: bool = True) -> None:
+                 storage_options: Optional[Mapping[str, Any]] = None, restore_rng: bool = True,
+                 log_metrics: Optional[bool] = None) -> None:
         super().__init__()
         if checkpointer is not None and not isinstance(checkpointer, bcp.Checkpointer):
             raise TypeError(f"ByteCheckpointIO(checkpointer=...) takes a bytecheckpoint.Checkpointer, got "
@@ -80,6 +84,7 @@ class ByteCheckpointIO(CheckpointIO):
         self._warned_schemes: set = set()
         self._strategy_ref: Optional[weakref.ref] = None  # set by connect()
         self._template_for: Optional[Callable[["ByteCheckpointIO", _PATH], Optional[Dict[str, Any]]]] = None
+        self._metrics = _metrics.MetricsLog(log_metrics)
 
     # ------------------------------------------------------------------ the engine
 
@@ -155,6 +160,7 @@ class ByteCheckpointIO(CheckpointIO):
             owned.close()
         else:
             bcp.wait_pending()  # the default engine holds no thread once its saves are done
+        self._metrics.flush(self)
 
     # ------------------------------------------------------------------ used by the strategy adapters
 
@@ -175,8 +181,11 @@ class ByteCheckpointIO(CheckpointIO):
         if isinstance(step, int) and not isinstance(step, bool):
             kwargs["step"] = step  # bcp.latest(dirpath) orders by it (docs/elastic.md)
         if self._checkpointer is None and self._owned is None:  # the default engine, through bytecheckpoint.save
-            return bcp.save(str(path), state, overwrite=True, process_group=process_group, **kwargs)
-        return self.checkpointer.save(str(path), state, overwrite=True, process_group=process_group, **kwargs)
+            handle = bcp.save(str(path), state, overwrite=True, process_group=process_group, **kwargs)
+        else:
+            handle = self.checkpointer.save(str(path), state, overwrite=True, process_group=process_group, **kwargs)
+        self._metrics.saved(self, handle, kwargs.get("step"))
+        return handle
 
     def load(self, path: _PATH, template: Dict[str, Any], *, strict: bool = True, weights_only: Optional[bool] = None,
              process_group: Any = None) -> Dict[str, Any]:
@@ -185,6 +194,7 @@ class ByteCheckpointIO(CheckpointIO):
         self._wait_for(path)
         self.checkpointer.load(str(path), template, strict=strict, allow_pickle=weights_only is False,
                                process_group=process_group, **self._call_kwargs(self._options()))
+        self._metrics.loaded(self, self.checkpointer.last_load_stats, template)
         return self._restore_rng(template)
 
     def save_local(self, checkpoint: Dict[str, Any], step: int, async_save: bool = True) -> bcp.SaveHandle:
@@ -203,6 +213,7 @@ class ByteCheckpointIO(CheckpointIO):
             raise FileNotFoundError(f"ByteCheckpointIO: nothing to resume from: {restored.reason}")
         rank_zero_info(f"ByteCheckpointIO: resuming from the {restored.source} checkpoint {restored.name}"
                        + (f" ({restored.reason})" if restored.reason else ""))
+        self._metrics.loaded(self, self.checkpointer.last_load_stats, restored.state)
         return self._restore_rng(restored.state)
 
     def read(self, path: _PATH, weights_only: Optional[bool] = None) -> Dict[str, Any]:
@@ -210,6 +221,7 @@ class ByteCheckpointIO(CheckpointIO):
         self._wait_for(path)
         checkpoint = self.checkpointer.load_full(str(path), allow_pickle=weights_only is False,
                                                  process_group=bcp.LOCAL, **self._call_kwargs(self._options()))
+        self._metrics.loaded(self, self.checkpointer.last_load_stats, checkpoint)
         return self._restore_rng(checkpoint)
 
     def is_bytecheckpoint(self, path: _PATH) -> bool:

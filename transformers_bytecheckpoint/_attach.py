@@ -37,6 +37,7 @@ from . import _folders as folders
 from . import _peft as peft
 from . import _rng as rng
 from . import _routes as routes
+from ._metrics import MetricsLog
 from ._model_files import write_model_files
 
 logger = logging.getLogger(__name__)
@@ -62,7 +63,8 @@ class TrainerAttachment:
     """Handle returned by :func:`attach`. ``remove()`` restores the Trainer's own checkpointing."""
 
     def __init__(self, trainer: Any, checkpointer: "bcp.Checkpointer", *, owns_checkpointer: bool,
-                 async_save: Optional[bool], storage_options: Optional[dict]) -> None:
+                 async_save: Optional[bool], storage_options: Optional[dict], log_metrics: Optional[bool] = None) -> None:
+        self._metrics = MetricsLog(trainer, log_metrics)  # checkpoint/... metrics via Trainer.log
         self._trainer = trainer
         self._ckpt = checkpointer
         self._owns = owns_checkpointer
@@ -102,6 +104,7 @@ class TrainerAttachment:
     def wait(self) -> None:
         """Block until every async save of the checkpointer is committed; re-raises a failure."""
         self._ckpt.wait()
+        self._metrics.flush()
 
     def remove(self) -> None:
         """Wait for pending saves, restore the Trainer's own methods (and close the checkpointer
@@ -138,11 +141,13 @@ class TrainerAttachment:
             manager.__dict__["execute_jit_checkpoint"] = functools.wraps(original)(
                 functools.partial(self._w_jit, original))
         setattr(tr, _ATTACHMENT_ATTR, self)
+        self._metrics.install()
         self._active = True
 
     def _uninstall(self) -> None:
         self._active = False
         tr = self._trainer
+        self._metrics.uninstall()
         for owner, previous in self._previous.items():
             obj, name = (tr, owner) if isinstance(owner, str) else (owner, "execute_jit_checkpoint")
             current = obj.__dict__.get(name)
@@ -191,6 +196,7 @@ class TrainerAttachment:
             handle = self._ckpt.save(folders.subdir(output_dir), state, overwrite=True, step=int(tr.state.global_step),
                                      async_save=False if sync else self._async, **group, **self._storage)
             self.last_save = dict(handle.stats, returned_s=time.perf_counter() - t0)
+            self._metrics.saved(handle)
             logger.info("bytecheckpoint: checkpoint %s to %s", "saved" if sync or not self._async else "saving",
                         folders.subdir(output_dir))
             if call.push is not None:
@@ -327,6 +333,7 @@ class TrainerAttachment:
         state["trainer"] = None
         group = {} if route.collective else {"process_group": bcp.LOCAL}
         self._ckpt.load(path, state, **group, **self._storage)
+        self._metrics.loaded(self._ckpt.last_load_stats)
         self._resumed = {"path": os.path.abspath(folder), "trainer": state["trainer"]}
         logger.info("bytecheckpoint: resumed %s from %s", ", ".join(k for k in state if k != "trainer"), path)
 
@@ -375,6 +382,7 @@ class TrainerAttachment:
     def _w_finalize_training(self, original: Callable, trial: Any, num_train_samples: int, start_time: float) -> Any:
         if self._active:
             self._ckpt.wait()  # every checkpoint committed before the best one is loaded or others deleted
+            self._metrics.flush()
             args = self._trainer.args
             if args.should_save:  # what rotation kept while saves were in flight goes now, as stock would have
                 folders.rotate(self._ckpt, compat.output_dir(self._trainer, trial), args.save_total_limit,
@@ -427,7 +435,7 @@ def _make_durable(folder: str, names: tuple) -> None:
 
 
 def attach(trainer: Any, checkpointer: Optional["bcp.Checkpointer"] = None, *, async_save: Optional[bool] = None,
-           storage_options: Optional[dict] = None) -> TrainerAttachment:
+           storage_options: Optional[dict] = None, log_metrics: Optional[bool] = None) -> TrainerAttachment:
     """Make ``trainer`` save and resume checkpoints through bytecheckpoint (``checkpoint-<step>/
     bytecheckpoint``), reshardable to any process count and layout.
 
@@ -440,6 +448,8 @@ def attach(trainer: Any, checkpointer: Optional["bcp.Checkpointer"] = None, *, a
             in the background (waited for by the end of ``train()``, ``wait()`` and ``remove()``).
             Default: the checkpointer's setting. JIT checkpoints (SIGTERM) are always synchronous.
         storage_options: for remote storage; default: the checkpointer's.
+        log_metrics: ``checkpoint/...`` metrics (stall, save/load seconds, bytes, throughput) through
+            ``Trainer.log`` (default on unless BCP_LOG_METRICS=0; docs/monitoring.md).
     """
     from transformers import Trainer
 
@@ -463,6 +473,6 @@ def attach(trainer: Any, checkpointer: Optional["bcp.Checkpointer"] = None, *, a
     else:
         owns = False
     attachment = TrainerAttachment(trainer, checkpointer, owns_checkpointer=owns, async_save=async_save,
-                                   storage_options=storage_options)
+                                   storage_options=storage_options, log_metrics=log_metrics)
     attachment._install()
     return attachment
