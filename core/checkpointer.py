@@ -19,7 +19,7 @@ import pickle
 import threading
 import time
 from collections import OrderedDict
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from .catalog import inspect as inspection
 from .common.errors import CheckpointerClosedError, CheckpointError
@@ -89,7 +89,7 @@ class Checkpointer:
                       if local_tier else None)
         self.last_load_stats = loader.LoadStats()
         self.last_save_stats = SaveStats()  # the newest save()'s (its handle's .stats; complete once done)
-        self._aside = AsideWrites()  # stats records still being written (object stores)
+        self._aside = AsideWrites()  # writes stats records off the operations' path (its own thread)
         self.fault_rules = faults.Rules(fault_rules)  # test-only storage faults (storage/faults.py)
         self._pending = PendingSaves()
         self._runner = BackgroundRunner()
@@ -125,11 +125,16 @@ class Checkpointer:
     # ------------------------------------------------------------------ save / load
     def save(self, path, state: Dict[str, Any], *, overwrite: bool = False, async_save: Optional[bool] = None,
              process_group: Any = _UNSET, storage_options: Any = _UNSET, tier: str = "persistent",
-             step: Optional[int] = None) -> SaveHandle:
+             step: Optional[int] = None, safetensors: Sequence[str] = (),
+             before_commit: Optional[Callable[[Metadata], None]] = None) -> SaveHandle:
         """Save `state` to `path` from every rank of the process group (collective); see README.
         tier="local": `path` is a name (e.g. "step_1200") in the local tier (see LocalTier).
         step: the training step, recorded in the metadata; restore() orders checkpoints by it
-        (then by when save() was called), and prefers the local tier for the same step."""
+        (then by when save() was called), and prefers the local tier for the same step.
+        safetensors: key paths (e.g. ["model"]) whose tensors, each held whole by a rank, are written as
+        safetensors files inside the checkpoint (format 6; `bytecheckpoint.tools.safetensors.link_views`
+        presents them to Hugging Face loaders without a copy). before_commit(metadata): called on the
+        coordinator after every rank's data is written, before the commit point (an error fails the save)."""
         self._check_open()
         t0 = time.perf_counter()
         if step is not None and (not isinstance(step, int) or isinstance(step, bool)):
@@ -139,16 +144,19 @@ class Checkpointer:
         background = self.options.async_save if async_save is None else bool(async_save)
         comm = self._comm(process_group)
         rec = OFF
+        groups = _groups(safetensors)
         if tier == "local":
+            if groups or before_commit is not None:
+                raise CheckpointError("save: safetensors= and before_commit= are for tier='persistent' saves")
             target = local_tier_mod.LocalTarget(self._local_tier(), path, self.options.timeout_s)
         elif tier == "persistent":
             rec = self._recorder("save", comm, path, t0)
             target = PersistentTarget(lambda: self.storage(path, storage_options), overwrite, self._read_metadata,
-                                      self.options.timeout_s, self.options.dead_peer_s, rec)
+                                      self.options.timeout_s, self.options.dead_peer_s, rec, before_commit)
         else:
             raise CheckpointError(f"save: tier must be 'persistent' or 'local', got {tier!r}")
         handle = saving.save(self._save_resources(), target, comm, state, background=background, path=str(path),
-                             info=info, t0=t0, rec=rec)
+                             info=info, t0=t0, rec=rec, safetensors=groups)
         self.last_save_stats = handle.stats
         return handle
 
@@ -288,6 +296,7 @@ class Checkpointer:
         times and the stragglers (this process only; `bytecheckpoint stats`, docs/monitoring.md)."""
         from .catalog.stats import read_stats
         self._check_open()
+        self._aside.settle()  # this process's own records are written off the save's path: wait for them
         return read_stats(self.storage(path, storage_options), self._read_metadata, str(path), load=load)
 
     def verify(self, path, *, storage_options: Any = _UNSET, progress=None) -> "inspection.VerifyReport":
@@ -449,6 +458,13 @@ def _same_target(a: str, b: str) -> bool:
 
 _DEFAULT: Optional[Checkpointer] = None
 _DEFAULT_LOCK = threading.Lock()
+
+
+def _groups(paths: Any) -> Tuple[str, ...]:
+    """save(safetensors=...): distinct non-empty key paths ("model", "adapter/default")."""
+    if isinstance(paths, str) or not all(isinstance(p, str) and p.strip("/") for p in paths):
+        raise CheckpointError(f"save: safetensors must be a list of key paths such as ['model'], got {paths!r}")
+    return tuple(dict.fromkeys(p.strip("/") for p in paths))
 
 
 def _rebuild(options: Options, storage_options, process_group, local_tier, fault_rules, registry) -> Checkpointer:

@@ -12,7 +12,7 @@ from ..common.errors import CheckpointError, CheckpointNotFoundError, Incomplete
 from ..format.metadata import METADATA_FILE, Metadata
 from ..geometry.regions import find_layout_problem
 from ..state.flatten import structure_leaves
-from ..storage import Storage, chunks
+from ..storage import Storage, chunks, packs
 
 ReadMetadata = Callable[[Storage], Metadata]
 
@@ -168,6 +168,8 @@ def verify_store(store: Storage, workers, read_metadata: ReadMetadata, path: str
                 report.problems.append(problem)
             if progress:
                 progress(report.checked_bytes, total)
+    if md.safetensors:  # format 6: the safetensors headers (the chunk checksums do not cover them)
+        report.problems += packs.st_problems(md, lambda key, a, b: store.read_range(key, a, b).result())
     for o in md.objects:
         raw = store.get(o.path)
         if raw is None:

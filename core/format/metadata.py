@@ -35,13 +35,16 @@ from .records import (
 )
 
 FORMAT_NAME = "bytecheckpoint"
-FORMAT_VERSION = 5  # 5: chunks packed into a few pack files per rank (ArrayMeta.locations, `packs`);
+FORMAT_VERSION = 6  # 6: safetensors packs (`safetensors`: key path -> its packs, each a safetensors file);
+                   #    checkpoints without them are still written as 5;
+                   # 5: chunks packed into a few pack files per rank (ArrayMeta.locations, `packs`);
                    # 4: the packed checksum tables in a binary file beside the data when they are
                    #    large (TABLE_FILE_MIN_BYTES); small checkpoints are still written as 3;
                    # 3: regular (DTensor) layouts as one "grid" per tensor, packed checksum tables;
                    # 2: per-block chunk checksums (ArrayMeta.block_bytes); 1 to 4 still load
 INLINE_TABLES_VERSION = 3
 PACKED_VERSION = 5
+SAFETENSORS_VERSION = 6
 # Checksum tables larger than this (packed bytes) go to their own file, so that metadata.json stays
 # the layout: 4096 FSDP ranks x 1000 tensors have ~12 MiB of crc32s (16 MiB as base64 in JSON).
 TABLE_FILE_MIN_BYTES = 1 << 20
@@ -62,6 +65,7 @@ class Metadata:
     structure: Any                      # nesting of the saved state (see state/flatten.py)
     info: Mapping[str, Any] = field(default_factory=dict)  # library version, time, layout notes
     packs: Tuple[str, ...] = ()         # format 5: the pack files holding every chunk (relative paths)
+    safetensors: Mapping[str, Tuple[int, ...]] = field(default_factory=dict)  # format 6: key path -> packs
 
     def to_json(self) -> bytes:
         """Canonical JSON (sorted keys, no spaces) with a crc32 of everything else as `checksum`.
@@ -77,6 +81,8 @@ class Metadata:
 
     def _to_json(self, table_key: Optional[str]) -> Tuple[bytes, Optional[bytes]]:
         version = self.version
+        if version == SAFETENSORS_VERSION and not self.safetensors:
+            version = PACKED_VERSION  # nothing of format 6 in it: readable by format-5 readers
         packed = {k: _packed_table(a) for k, a in self.arrays.items()} if version >= 3 else {}
         # an array without locations keeps one file per chunk (as before format 5)
         where = {k: _location_table(a) for k, a in self.arrays.items()
@@ -116,6 +122,8 @@ class Metadata:
             parts["meshes"] = [t.tolist() for t in tables]
         if version >= PACKED_VERSION:
             parts["packs"] = list(self.packs)
+        if version >= SAFETENSORS_VERSION:
+            parts["safetensors"] = {k: list(v) for k, v in self.safetensors.items()}
         table = None
         if to_file:
             table = b"".join(np.asarray(packed[k], dtype="<u4").tobytes() + (
@@ -310,6 +318,16 @@ def _parse(body: Any, where: str, fetch: Optional[Callable[[str], Optional[bytes
         raw_packs = body.get("packs")
         expect(isinstance(raw_packs, list) and len(raw_packs) <= (1 << 24), where, "packs is not a list")
         packs = tuple(safe_relative_path(p, f"{where}.packs") for p in raw_packs)
+    views: Dict[str, Tuple[int, ...]] = {}
+    if version >= SAFETENSORS_VERSION:
+        raw_views = body.get("safetensors")
+        expect(isinstance(raw_views, dict) and len(raw_views) <= (1 << 16), where, "safetensors is not an object")
+        for k, v in raw_views.items():
+            expect(isinstance(k, str) and 0 < len(k) < 4096 and isinstance(v, list) and v, where,
+                   f"safetensors entry {k!r:.60} malformed")
+            views[k] = tuple(check_int(i, f"{where}.safetensors", 0, len(packs) - 1) for i in v)
+            expect(all(packs[i].endswith(".safetensors") for i in views[k]), where,
+                   f"safetensors entry {k!r:.60} names a pack that is not a .safetensors file")
     arrays_raw = body.get("arrays")
     expect(isinstance(arrays_raw, dict), where, "arrays is not an object")
     arrays: Dict[str, ArrayMeta] = {}
@@ -380,7 +398,8 @@ def _parse(body: Any, where: str, fetch: Optional[Callable[[str], Optional[bytes
         expect(isinstance(info["data_dir"], str) and re.fullmatch(r"(data|part)-[A-Za-z0-9_-]{1,64}", info["data_dir"])
                 is not None, where, "bad data_dir")
     _check_structure(body.get("structure"), tensors, where)
-    return Metadata(version, save_id, world, tensors, arrays, tuple(objects), body.get("structure"), info, packs)
+    return Metadata(version, save_id, world, tensors, arrays, tuple(objects), body.get("structure"), info, packs,
+                    views)
 
 
 def _check_structure(node: Any, tensors: Mapping[str, TensorMeta], where: str, depth: int = 0) -> None:

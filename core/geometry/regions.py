@@ -92,18 +92,20 @@ def chunk_grid(shape: Sequence[int], boxes: Iterable[Box]) -> Tuple[int, ...]:
     return tuple(max(1, reduce(math.gcd, sorted(e), 0) or s) for e, s in zip(edges, shape))
 
 
-def refine_chunks(grid: Tuple[int, ...], shape: Sequence[int], itemsize: int, target_bytes: int) -> Tuple[int, ...]:
+def refine_chunks(grid: Tuple[int, ...], shape: Sequence[int], itemsize: int, target_bytes: int,
+                  exact: bool = False) -> Tuple[int, ...]:
     """Split chunks along dim 0 towards `target_bytes`. With no box edge inside dim 0 (grid[0] is
     the whole dim) the tensor's end needs no boundary: ceil-divided rows, at most one short edge
-    chunk. Otherwise the chunk rows must divide grid[0]: the divisor nearest the target (a prime
-    row count once gave one-row chunks, thousands of files for one tensor)."""
+    chunk (unless `exact`: chunks that tile the tensor with no padded edge chunk). Otherwise the
+    chunk rows must divide grid[0]: the divisor nearest the target (a prime row count once gave
+    one-row chunks, thousands of files for one tensor)."""
     if not grid:
         return grid
     chunk_bytes = volume(grid) * itemsize
     rows = grid[0]
     if chunk_bytes <= target_bytes or rows < 2:
         return grid
-    if len(shape) and rows == shape[0]:
+    if len(shape) and rows == shape[0] and not exact:
         pieces = min(rows, -(-chunk_bytes // target_bytes))
         return (-(-rows // pieces),) + tuple(grid[1:])
     row_bytes = chunk_bytes / rows

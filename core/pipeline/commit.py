@@ -22,6 +22,7 @@ from ..format.metadata import CHECKSUM_TABLE_FILE, FORMAT_VERSION, METADATA_FILE
 from ..monitor import OFF, Recorder
 from ..planning.planner import SavePlan
 from ..storage import Storage
+from ..storage.packs import st_views
 
 # (object file entry, {array path: {chunk name: block crc32s}}) or None, and an error message or None
 # What one rank wrote: its object file, {array: {chunk: block crc32s}}, {array: {chunk: (pack, offset)}}
@@ -32,9 +33,13 @@ RankResult = Tuple[Optional[WriteResult], Optional[str]]
 
 def write_metadata(store: Storage, full: SavePlan, save_id: str, data_dir: str, world_size: int, structure: Any,
                    overwrite: bool, old_data: Optional[str], results: List[RankResult],
-                   info: Optional[Dict[str, Any]] = None) -> None:
-    """Coordinator: commit if every rank succeeded, else raise naming the failed ranks."""
+                   info: Optional[Dict[str, Any]] = None, before_commit: Optional[Callable[[Metadata], None]] = None
+                   ) -> None:
+    """Coordinator: commit if every rank succeeded, else raise naming the failed ranks.
+    `before_commit(md)` runs once the data is written, before the commit point."""
     md = build_metadata(store.url, full, save_id, data_dir, world_size, structure, results, info)
+    if before_commit is not None:
+        before_commit(md)
     table_key = f"{data_dir}/{CHECKSUM_TABLE_FILE}"
     raw, table = md.to_files(table_key)
     if table is not None:  # large tables beside the data, durable before the commit point names them
@@ -77,6 +82,7 @@ def build_metadata(url: str, full: SavePlan, save_id: str, data_dir: str, world_
         info={**(info or {}), "data_dir": data_dir, "created_unix": time.time(), "torch": torch.__version__,
               "bytes_per_rank": list(full.bytes_per_rank)},
         packs=packs,
+        safetensors={g: tuple(sorted(index[k] for k in keys)) for g, keys in st_views(full, where).items()},
     )
     return md
 

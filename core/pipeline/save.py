@@ -44,10 +44,11 @@ class Target(Protocol):
 
 
 def save(res: SaveResources, target: Target, comm: Comm, state: Dict[str, Any], *, background: bool, path: str,
-         info: Dict[str, Any], t0: float, rec: Recorder = OFF) -> SaveHandle:
+         info: Dict[str, Any], t0: float, rec: Recorder = OFF, safetensors: Tuple[str, ...] = ()) -> SaveHandle:
     """Collective: save `state` to `target`; returns once the state may change again (a sync save:
     committed; an async save: copied out, the write and commit running in the background).
-    `rec`: this rank's record of the save (monitor/; the target's job finishes and writes it)."""
+    `rec`: this rank's record of the save (monitor/; the target's job finishes and writes it).
+    `safetensors`: key paths whose tensors are written as safetensors packs (format 6)."""
     # 1. flatten: walk the state (an async save of an unchanged layout starts its copies meanwhile)
     early = stage.early_copies(res.staging(), res.plans, comm.key) if background else None
     t_walk = time.perf_counter()
@@ -60,7 +61,7 @@ def save(res: SaveResources, target: Target, comm: Comm, state: Dict[str, Any], 
             target.open(comm)
         with rec.span("plan"):
             local, full, save_id, old_data = save_plan.plan(comm, prepared.manifest, res.plans, target.begin,
-                                                             prepared.error)
+                                                             prepared.error, safetensors=safetensors)
         rec.op_id = save_id
         data = write.sources(prepared.flat, local.writes)
     except BaseException as exc:

@@ -112,13 +112,15 @@ PREPARE_FAILED, NEW_PLAN, CACHED_PLAN = 0, 1, 2
 
 def plan(comm: Comm, manifest: Optional[RankManifest], cache: PlanCache,
          begin: Callable[[], Tuple[str, Optional[str]]], prepare_error: Optional[BaseException] = None,
-         what: str = "preparing the state for save") -> Tuple[LocalPlan, Optional[SavePlan], str, Optional[str]]:
+         what: str = "preparing the state for save", safetensors: Tuple[str, ...] = ()
+         ) -> Tuple[LocalPlan, Optional[SavePlan], str, Optional[str]]:
     """Collective: this rank's part of the save plan (the whole plan on the coordinator), and what
     `begin()` returns on the coordinator: the save id and the data directory of the checkpoint it
     replaces (if any). `prepare_error`: this rank could not prepare its state (`what`); every rank
-    then raises, naming the ranks that failed."""
+    then raises, naming the ranks that failed. `safetensors`: key paths written as safetensors
+    packs (planning/planner.plan_save)."""
     fingerprint = (None if prepare_error is not None
-                   else hashlib.sha1(pickle.dumps((comm.world_size, manifest))).hexdigest())
+                   else hashlib.sha1(pickle.dumps((comm.world_size, manifest, safetensors))).hexdigest())
     cache_key = comm.key
     cached = cache.get(cache_key)
     hit = fingerprint is not None and cached is not None and cached.fingerprint == fingerprint
@@ -142,7 +144,7 @@ def plan(comm: Comm, manifest: Optional[RankManifest], cache: PlanCache,
     full: Optional[SavePlan] = None
     if comm.is_coordinator:
         try:
-            full = plan_save(gathered)
+            full = plan_save(gathered, safetensors=safetensors)
             save_id, old = begin()
             shared, extras = split_for_ranks(full)
             head = (True, (shared, extras is not None, save_id, old))

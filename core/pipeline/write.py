@@ -57,7 +57,8 @@ def write_local(store: Storage, workers: Workers, data_dir: str, local: LocalPla
     obj_path = f"{data_dir}/objects/rank_{rank}.json"
     store.prepare([obj_path])
     checksums, locations = packs.write(store, workers, data_dir, rank, items, chunks.block_checksums,
-                                       chunks.BLOCK_BYTES, rec if rec.enabled else None)
+                                       chunks.BLOCK_BYTES, rec if rec.enabled else None,
+                                       packs.st_arrays(local) if local.safetensors else None)
     with rec.span("write.objects", len(objects_blob), 1):
         store.put(obj_path, objects_blob)
     with rec.span("write.sync"):
@@ -81,6 +82,7 @@ class Job:
     data_prefix: str = DATA_PREFIX
     info: Optional[Dict[str, Any]] = None   # extra metadata info (training step, capture time)
     rec: Recorder = OFF                     # this rank's record of the save (monitor/)
+    before_commit: Optional[Callable[[Metadata], None]] = None  # coordinator, before the commit point
 
     @property
     def data_dir(self) -> str:
@@ -93,7 +95,8 @@ class Job:
     def _decide(self, results) -> None:
         with self.rec.span("commit.metadata"):
             commit.write_metadata(self.store, self.full, self.save_id, self.data_dir, self.comm.world_size,
-                                  self.structure, self.overwrite, self.old_data, results, self.info)
+                                  self.structure, self.overwrite, self.old_data, results, self.info,
+                                  self.before_commit)
 
     def _write(self, workers: Workers, data: Sequence[torch.Tensor]) -> Tuple[commit.RankResult, Optional[Exception]]:
         try:
@@ -178,9 +181,10 @@ class PersistentTarget:
 
     def __init__(self, open_store: Callable[[], Storage], overwrite: bool,
                  read_metadata: Callable[[Storage], Metadata], timeout_s: float, dead_peer_s: float,
-                 rec: Recorder = OFF) -> None:
+                 rec: Recorder = OFF, before_commit: Optional[Callable[[Metadata], None]] = None) -> None:
         self._open_store, self.overwrite, self._read_metadata = open_store, overwrite, read_metadata
         self.timeout_s, self.dead_peer_s, self.rec = timeout_s, dead_peer_s, rec
+        self.before_commit = before_commit
         self.store: Optional[Storage] = None
 
     def open(self, comm: Comm) -> None:
@@ -197,7 +201,7 @@ class PersistentTarget:
     def writer(self, comm: Comm, local: LocalPlan, full: Optional[SavePlan], save_id: str, old_data: Optional[str],
                structure: Any, objects_blob: bytes, info: Dict[str, Any]) -> Written:
         job = Job(comm, self.store, local, full, save_id, old_data, structure, self.overwrite, objects_blob,
-                  info=info, rec=self.rec)
+                  info=info, rec=self.rec, before_commit=self.before_commit)
 
         def start_background():
             board = job.board(self.timeout_s, self.dead_peer_s)

@@ -54,6 +54,7 @@ class LocalPlan:
     writes: Tuple[WriteItem, ...]
     creates: Tuple[str, ...]
     arrays: Mapping[str, ArrayMeta]        # the arrays this rank touches (data-dir relative)
+    safetensors: Tuple[str, ...] = ()      # key paths written as safetensors packs (storage/packs.py)
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,7 @@ class SavePlan:
     bytes_per_rank: Tuple[int, ...]
     general_writes: Mapping[int, Tuple[WriteItem, ...]] = field(default_factory=dict)  # general path, by rank
     general_creates: Mapping[int, Tuple[str, ...]] = field(default_factory=dict)
+    safetensors: Tuple[str, ...] = ()   # key paths whose tensors are planned whole, rows tiled exactly
 
     @property
     def world_size(self) -> int:
@@ -114,7 +116,7 @@ def rank_part(plan: SavePlan, rank: int) -> LocalPlan:
     writes += plan.general_writes.get(rank, ())
     creates += plan.general_creates.get(rank, ())
     touched = {w.array for w in writes} | set(creates)
-    return LocalPlan(tuple(writes), tuple(creates), {a: plan.arrays[a] for a in sorted(touched)})
+    return LocalPlan(tuple(writes), tuple(creates), {a: plan.arrays[a] for a in sorted(touched)}, plan.safetensors)
 
 
 def split_for_ranks(plan: SavePlan) -> Tuple[SavePlan, Optional[List[LocalPlan]]]:
@@ -125,14 +127,14 @@ def split_for_ranks(plan: SavePlan) -> Tuple[SavePlan, Optional[List[LocalPlan]]
     for t in grid.values():
         for k in range(len(t.regions) if t.grid.region_arrays else 1):
             arrays[t.grid.array_of(k)] = plan.arrays[t.grid.array_of(k)]
-    shared = SavePlan(grid, arrays, plan.bytes_per_rank)
+    shared = SavePlan(grid, arrays, plan.bytes_per_rank, safetensors=plan.safetensors)
     if not plan.general_writes and not plan.general_creates:
         return shared, None
     extras = []
     for r in range(plan.world_size):
         writes, creates = plan.general_writes.get(r, ()), plan.general_creates.get(r, ())
         touched = {w.array for w in writes} | set(creates)
-        extras.append(LocalPlan(writes, creates, {a: plan.arrays[a] for a in sorted(touched)}))
+        extras.append(LocalPlan(writes, creates, {a: plan.arrays[a] for a in sorted(touched)}, plan.safetensors))
     return shared, extras
 
 
@@ -141,17 +143,19 @@ def local_plan(shared: SavePlan, extra: Optional[LocalPlan], rank: int) -> Local
     mine = rank_part(shared, rank)
     if extra is None:
         return mine
-    return LocalPlan(mine.writes + extra.writes, mine.creates + extra.creates, {**mine.arrays, **extra.arrays})
+    return LocalPlan(mine.writes + extra.writes, mine.creates + extra.creates, {**mine.arrays, **extra.arrays},
+                     mine.safetensors)
 
 
-def plan_save(manifests: Sequence, *, regular: bool = True) -> SavePlan:
+def plan_save(manifests: Sequence, *, regular: bool = True, safetensors: Sequence[str] = ()) -> SavePlan:
     """manifests[r]: rank r's PackedManifest (what save_plan.plan gathers) or tuple of TensorManifest.
-    regular=False plans every tensor through the general path (the reference in tests)."""
+    regular=False plans every tensor through the general path (the reference in tests). Tensors under
+    the key paths `safetensors` are written whole by one holder, in row chunks that tile them exactly."""
     # Many small tuples at scale: the cyclic GC would rescan them over and over (2x time).
     was_enabled = gc.isenabled()
     gc.disable()
     try:
-        return _plan_save(manifests, regular)
+        return _plan_save(manifests, regular, tuple(safetensors))
     finally:
         if was_enabled:
             gc.enable()
@@ -172,7 +176,7 @@ def _layout_name(holdings: Sequence[Holding]) -> str:
     return "flat" if "flat" in layouts else "sharded" if "sharded" in layouts else "replicated"
 
 
-def _plan_save(manifests: Sequence, regular: bool) -> SavePlan:
+def _plan_save(manifests: Sequence, regular: bool, safetensors: Tuple[str, ...] = ()) -> SavePlan:
     world = len(manifests)
     by_key = collect(manifests)
     loads = np.zeros(world, dtype=np.int64)
@@ -186,15 +190,16 @@ def _plan_save(manifests: Sequence, regular: bool) -> SavePlan:
     for key in sorted(by_key):
         holdings = by_key[key]
         _check_agreement(key, holdings)
+        whole = key.startswith(tuple(g + "/" for g in safetensors))
         gp = try_grid(key, holdings, world, cache, SPLIT_MIN_BYTES, CHUNK_TARGET_BYTES,
-                      MAX_CHUNKS_PER_REGION) if regular else None
+                      MAX_CHUNKS_PER_REGION) if regular and not whole else None
         if gp is not None:
             grids[key] = gp
             fixed = gp.writers >= 0
             loads += np.bincount(gp.writers[fixed], weights=gp.nbytes[fixed], minlength=world).astype(np.int64)
             flexible += [(-size, key, (j,), gp, idx) for j, (size, idx) in enumerate(gp.batches())]
             continue
-        units = general[key] = _general_units(key, holdings)
+        units = general[key] = _general_units(key, holdings, split=not whole)
         itemsize = dtype_itemsize(holdings[0].dtype)
         for part, ranks in units:
             nbytes = volume(part[1]) * itemsize
@@ -254,10 +259,11 @@ def _plan_save(manifests: Sequence, regular: bool) -> SavePlan:
                 chunks = refine_chunks(tuple(max(1, l) for l in lens), lens, itemsize, CHUNK_TARGET_BYTES)
                 arrays[meta.array_of(k)] = ArrayMeta(meta.array_of(k), lens, chunks, first.dtype)
             continue
-        regions = _place_general(key, first, name, general[key], writer_of, arrays, writes, creates)
+        regions = _place_general(key, first, name, general[key], writer_of, arrays, writes, creates,
+                                 key.startswith(tuple(g + "/" for g in safetensors)))
         tensors[key] = TensorMeta(key, first.dtype, first.shape, _layout_name(holdings), n_holders, regions)
     return SavePlan(tensors, arrays, tuple(loads.tolist()), {r: tuple(w) for r, w in writes.items()},
-                    {r: tuple(c) for r, c in creates.items()})
+                    {r: tuple(c) for r, c in creates.items()}, safetensors)
 
 
 def _least_loaded(heaps: Dict[tuple, List[Tuple[int, int]]], key: tuple, ranks: Iterable[int],
@@ -274,7 +280,7 @@ def _least_loaded(heaps: Dict[tuple, List[Tuple[int, int]]], key: tuple, ranks: 
         heapq.heapreplace(heap, (int(loads[rank]), rank))
 
 
-def _general_units(key: str, holdings: Sequence[Holding]) -> List[Tuple[Box, Tuple[int, ...]]]:
+def _general_units(key: str, holdings: Sequence[Holding], split: bool = True) -> List[Tuple[Box, Tuple[int, ...]]]:
     """Distinct boxes (tiling checked) with their holders, big shared ones split for balance."""
     first = holdings[0]
     holders: Dict[Box, List[int]] = {}
@@ -292,17 +298,17 @@ def _general_units(key: str, holdings: Sequence[Holding]) -> List[Tuple[Box, Tup
     itemsize = dtype_itemsize(first.dtype)
     units: List[Tuple[Box, Tuple[int, ...]]] = []
     for box, ranks in holders.items():
-        for part in _split_for_balance(box, len(ranks), itemsize):
+        for part in _split_for_balance(box, len(ranks) if split else 1, itemsize):
             units.append((part, tuple(sorted(ranks))))
     return units
 
 
-def _place_general(key: str, first: Holding, name: str, units, writer_of, arrays, writes, creates
+def _place_general(key: str, first: Holding, name: str, units, writer_of, arrays, writes, creates, exact=False
                    ) -> Tuple[RegionMeta, ...]:
     boxes = [box for box, _ in units]
     itemsize = dtype_itemsize(first.dtype)
-    grid = refine_chunks(chunk_grid(first.shape, boxes), first.shape, itemsize, CHUNK_TARGET_BYTES)
-    one_array = chunk_count(first.shape, grid) <= MAX_CHUNKS_PER_REGION * max(1, len(units))
+    grid = refine_chunks(chunk_grid(first.shape, boxes), first.shape, itemsize, CHUNK_TARGET_BYTES, exact)
+    one_array = exact or chunk_count(first.shape, grid) <= MAX_CHUNKS_PER_REGION * max(1, len(units))
     regions: List[RegionMeta] = []
     for i, (box, ranks) in enumerate(sorted(units)):
         writer = writer_of.get((key, box), ranks[0])
@@ -313,7 +319,7 @@ def _place_general(key: str, first: Holding, name: str, units, writer_of, arrays
                 creates[writer].append(name)
         else:
             array, aoffs = f"{name}/r{i}", (0,) * len(box[0])
-            chunks = refine_chunks(tuple(max(1, l) for l in box[1]), box[1], itemsize, CHUNK_TARGET_BYTES)
+            chunks = refine_chunks(tuple(max(1, l) for l in box[1]), box[1], itemsize, CHUNK_TARGET_BYTES, exact)
             arrays[array] = ArrayMeta(array, box[1], chunks, first.dtype)
             creates[writer].append(array)
         regions.append(RegionMeta(box[0], box[1], array, tuple(aoffs), writer))

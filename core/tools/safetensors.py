@@ -3,20 +3,22 @@ byte-identically to `safetensors.torch.save_file`, read with its limits checked)
 reading, and the size / dtype spellings the CLI takes. tools/export.py streams checkpoints through it."""
 from __future__ import annotations
 
+import errno
 import json
 import math
 import mmap
 import os
 import re
+import shutil
 import struct
-from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from ..common import dtypes
 from ..common.dtypes import itemsize as dtype_itemsize
 from ..common.errors import CheckpointError
+from ..format.safetensors_header import FROM_ST, ST_DTYPES, STEntry, file_order, header_bytes  # noqa: F401 - re-exported
 
 # ------------------------------------------------------------------ format constants
 
@@ -25,14 +27,6 @@ INDEX_FILE = "model.safetensors.index.json"
 FILE_PATTERN = "model{suffix}.safetensors"      # huggingface_hub / transformers naming
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 MAX_HEADER_BYTES = 100_000_000                 # safetensors' own limit
-
-# bytecheckpoint dtype name -> safetensors dtype tag
-ST_DTYPES = dtypes.SAFETENSORS
-FROM_ST = {v: k for k, v in ST_DTYPES.items()}
-# safetensors writes tensors ordered by dtype (this rank, descending), then by name.
-_ST_ORDER = ["BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E4M3FNUZ", "F8_E5M2FNUZ", "I16", "U16", "F16", "BF16",
-             "I32", "U32", "F32", "C64", "F64", "I64", "U64"]
-_ST_RANK = {t: i for i, t in enumerate(_ST_ORDER)}
 
 _DTYPE_ALIASES = {
     "bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "f16": "float16", "float16": "float16",
@@ -75,38 +69,6 @@ def parse_dtype(text: Optional[str]) -> Optional[str]:
 
 
 # ------------------------------------------------------------------ safetensors header
-
-@dataclass(frozen=True)
-class STEntry:
-    """One tensor of an output file: its name, safetensors dtype tag, shape, byte size."""
-    name: str
-    dtype: str
-    shape: Tuple[int, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * dtype_itemsize(FROM_ST[self.dtype])
-
-
-def file_order(entries: Sequence[STEntry]) -> List[STEntry]:
-    """The order safetensors itself lays tensors out in (largest dtype first, then by name)."""
-    return sorted(entries, key=lambda e: (-_ST_RANK[e.dtype], e.name))
-
-
-def header_bytes(entries: Sequence[STEntry], metadata: Optional[Mapping[str, str]] = None) -> bytes:
-    """8-byte little-endian length + JSON header padded with spaces to a multiple of 8, for
-    `entries` laid out in the given order."""
-    body: Dict[str, Any] = {}
-    if metadata:
-        body["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
-    pos = 0
-    for e in entries:
-        body[e.name] = {"dtype": e.dtype, "shape": list(e.shape), "data_offsets": [pos, pos + e.nbytes]}
-        pos += e.nbytes
-    raw = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
-    raw += b" " * (-len(raw) % 8)
-    return struct.pack("<Q", len(raw)) + raw
-
 
 def read_header(path: str) -> Tuple[int, Dict[str, Any], Dict[str, str]]:
     """(data start, {name: entry}, __metadata__) of a safetensors file, validated."""
@@ -167,3 +129,73 @@ def read_safetensors_mmap(path: str, names: Optional[Sequence[str]] = None
             raw = raw.clone()
         out[name] = raw.view(dt).reshape(e["shape"])
     return out, meta
+
+
+# ------------------------------------------------------------------ views of safetensors packs (format 6)
+
+_LINK_ERRORS = (errno.EXDEV, errno.EPERM, errno.ENOTSUP, errno.EMLINK, errno.EACCES)
+
+
+def link_views(root: str, md: Any, key_path: str, folder: str, *, weights_name: str = SINGLE_FILE) -> List[str]:
+    """Show the tensors a checkpoint saved under `key_path` with `save(..., safetensors=[key_path])` as
+    Hugging Face weights in `folder`, without a second copy: its safetensors packs (format 6) are hard
+    linked there, one pack as `weights_name`, several as `<stem>-0000i-of-0000n.safetensors` with
+    `<weights_name>.index.json` (the names `save_pretrained` writes). `root`: the checkpoint's local
+    directory; `md`: its Metadata. Each name is replaced atomically; files of the same family left
+    from an earlier save are removed (nothing else in `folder` is touched). Where the file system
+    refuses a link (another device, no permission), the pack is copied instead. Linked packs are made
+    read-only: a program writing into `folder` through one of these names fails instead of damaging
+    the checkpoint. Returns the file names written, in order."""
+    packs = md.safetensors.get(key_path.strip("/")) if getattr(md, "safetensors", None) else None
+    if not packs:
+        raise CheckpointError(
+            f"{key_path!r} has no safetensors files in this checkpoint: save it with safetensors=[{key_path!r}] "
+            f"(its tensors must each be held whole by a process, with dtypes safetensors has)")
+    if not weights_name.endswith(".safetensors"):
+        raise ValueError(f"weights_name must end with .safetensors, got {weights_name!r}")
+    stem = weights_name[:-len(".safetensors")]
+    sources = [os.path.join(root, md.packs[i]) for i in packs]
+    n = len(sources)
+    names = [weights_name] if n == 1 else [f"{stem}-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    os.makedirs(folder, exist_ok=True)
+    for src, name in zip(sources, names):
+        _link_or_copy(src, os.path.join(folder, name))
+    index = f"{weights_name}.index.json"
+    written = list(names)
+    if n > 1:
+        weight_map: Dict[str, str] = {}
+        total = 0
+        for src, name in zip(sources, names):
+            _, header, _ = read_header(src)
+            weight_map.update({k: name for k in header})
+            total += sum(e["data_offsets"][1] - e["data_offsets"][0] for e in header.values())
+        body = json.dumps({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))},
+                          indent=2, sort_keys=True) + "\n"
+        with open(os.path.join(folder, index + ".tmp"), "w") as f:
+            f.write(body)
+        os.replace(os.path.join(folder, index + ".tmp"), os.path.join(folder, index))
+        written.append(index)
+    family = re.compile(rf"{re.escape(stem)}(-\d{{5}}-of-\d{{5}})?\.safetensors|{re.escape(index)}")
+    for name in os.listdir(folder):
+        if family.fullmatch(name) and name not in written:
+            os.remove(os.path.join(folder, name))
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return written
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    tmp = f"{dst}.{os.getpid()}.tmp"
+    if os.path.lexists(tmp):
+        os.remove(tmp)
+    os.chmod(src, 0o444)
+    try:
+        os.link(src, tmp)
+    except OSError as exc:
+        if exc.errno not in _LINK_ERRORS:
+            raise
+        shutil.copyfile(src, tmp)
+    os.replace(tmp, dst)

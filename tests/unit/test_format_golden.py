@@ -1,7 +1,8 @@
-"""Pins the on-disk format v5 (docs/format.md). A change here is a format change: bump
-FORMAT_VERSION and document it instead of editing the expectations. Format 1 to 4 checkpoints
-(written by the code of those versions, kept under data/format_v1 .. format_v4) must still load
-and verify."""
+"""Pins the on-disk format v5 and v6 (docs/format.md). A change here is a format change: bump
+FORMAT_VERSION and document it instead of editing the expectations. A save without safetensors
+packs is still written as format 5, byte for byte; format 6 adds them (`safetensors=`). Format 1
+to 5 checkpoints (written by the code of those versions, kept under data/format_v1 .. format_v5)
+must still load and verify."""
 import base64
 import json
 import os
@@ -281,3 +282,56 @@ def test_version_4_keeps_large_checksum_tables_in_a_checked_file_beside_the_data
     table.unlink()
     with pytest.raises(MetadataError, match="checksums.bin.*missing"):
         bcp.Checkpointer().load(str(tmp_path / "c"), out)
+
+
+V5 = Path(__file__).parent / "data" / "format_v5"
+
+
+def test_format_v5_checkpoint_still_loads_and_verifies():
+    """Written by the format-5 code (a torch.compile'd model, names with '_orig_mod.', its AdamW,
+    a plain value): loads and verifies (tests/unit/test_compile_names.py loads it into models)."""
+    body = json.loads((V5 / "metadata.json").read_text())
+    assert body["version"] == 5 and "safetensors" not in body and all(p.endswith(".bin") for p in body["packs"])
+    assert bcp.verify(V5).ok and bcp.inspect(V5).format_version == 5
+    full = bcp.load_full(V5)
+    assert full["step"] == 7 and full["model"]["_orig_mod.0.weight"].shape == (3, 4)
+
+
+def test_version_6_safetensors_packs_are_save_file_bytes_and_read_without_this_library(tmp_path):
+    """A key path saved with safetensors=[...]: its tensors are one pack per writing rank named
+    pack/<rank>-<k>.safetensors (k after the rank's .bin packs), byte-identical to
+    safetensors.torch.save_file(tensors, metadata={"format": "pt"}); metadata.json names it under
+    `safetensors` and every chunk's `at` points into it, past the header. Everything else is format 5."""
+    import numpy as np
+    from safetensors.torch import save_file
+    from bytecheckpoint.format.metadata import Metadata
+    model = {"w": torch.arange(12, dtype=torch.float32).view(3, 4), "b": torch.arange(3, dtype=torch.bfloat16)}
+    bcp.save(tmp_path / "ck", {"model": model, "opt": {"m": torch.ones(2)}, "step": 7}, safetensors=["model"])
+    root = tmp_path / "ck"
+    body = json.loads((root / "metadata.json").read_text())
+    data_dir = body["info"]["data_dir"]
+    assert body["version"] == 6 and body["packs"] == [f"{data_dir}/pack/0-0.bin", f"{data_dir}/pack/0-1.safetensors"]
+    assert body["safetensors"] == {"model": [1]}
+    save_file(model, str(tmp_path / "ref.safetensors"), metadata={"format": "pt"})
+    raw = (root / body["packs"][1]).read_bytes()
+    assert raw == (tmp_path / "ref.safetensors").read_bytes()
+    # without this library: the safetensors header gives each tensor's bytes, the metadata's `at` agrees
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    assert header["__metadata__"] == {"format": "pt"} and [k for k in header if k != "__metadata__"] == ["w", "b"]
+    for name, want in model.items():
+        arr = body["arrays"][body["tensors"][f"model/{name}"]["array"]]
+        ((pack, offset),) = _at(arr)
+        start, stop = header[name]["data_offsets"]
+        assert pack == 1 and offset == 8 + n + start
+        dtype = "<f4" if name == "w" else "<u2"
+        got = np.frombuffer(raw, dtype=dtype, count=(stop - start) // np.dtype(dtype).itemsize, offset=8 + n + start)
+        assert got.tobytes() == want.reshape(-1).view(torch.uint8).numpy().tobytes()
+    assert _at(body["arrays"][body["tensors"]["opt/m"]["array"]])[0][0] == 0  # everything else: the .bin pack
+    md = Metadata.from_json((root / "metadata.json").read_bytes())
+    assert md.version == 6 and md.safetensors == {"model": (1,)} and Metadata.from_json(md.to_json()) == md
+    bad = dict(body, safetensors={"model": [0]})  # the .bin pack is not a safetensors file
+    bad.pop("checksum")
+    from bytecheckpoint.common.errors import MetadataError
+    with pytest.raises(MetadataError, match="not a .safetensors file"):
+        Metadata.from_json(json.dumps(bad).encode())
