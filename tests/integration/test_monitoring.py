@@ -33,7 +33,9 @@ def run_cli(capsys, *argv):
     return code, out, err
 
 
-def _records(path: Path, op: str):
+def _records(path: Path, op: str, ck=None):
+    """The record files (written off the operation's path: settled first by wait())."""
+    (ck or bcp.default_checkpointer()).wait()
     return sorted(path.glob(f"data-*/stats/{op}/rank_*.json"))
 
 
@@ -88,9 +90,10 @@ def test_load_record_is_replaced_by_the_next_load(tmp_path, capsys):
         stats = ck.last_load_stats
         assert {"arrive", "metadata", "plan.load", "read", "read.wait", "objects"} <= set(stats.phases)
         assert stats.total_s > 0 and stats.metrics()["checkpoint/load_bytes"] == 4 * 64 * 64 * 4
-        (rec,) = _records(path, "load")
+        (rec,) = _records(path, "load", ck)
         first = json.loads(rec.read_text())["op_id"]
         ck.load(path, _state())
+        ck.wait()
         assert json.loads(rec.read_text())["op_id"] == ck.last_load_stats.record["op_id"] != first
         ck.load_full(path)
         assert "read" in ck.last_load_stats.phases
@@ -119,7 +122,7 @@ def test_records_never_block_load_verify_or_save(tmp_path, capsys, caplog):
         with faults.inject({"op": "write", "kind": "denied", "key": "/stats/"}, checkpointer=ck):
             ck.save(tmp_path / "denied", _state())
             ck.load(tmp_path / "denied", _state())
-        ck.wait()  # records in flight are settled here (and at close)
+            ck.wait()  # records are written off the operation's path: settled here (and at close)
     assert not _records(tmp_path / "denied", "save") and not _records(tmp_path / "denied", "load")
     assert sum("stats record" in r.getMessage() for r in caplog.records) == 2
 
@@ -128,8 +131,8 @@ def test_record_stats_save_and_off(tmp_path):
     with bcp.Checkpointer(record_stats="save") as ck:
         ck.save(tmp_path / "s", _state())
         ck.load(tmp_path / "s", _state())
-        assert ck.last_load_stats.phases and not _records(tmp_path / "s", "load")   # in memory only
-        assert len(_records(tmp_path / "s", "save")) == 1
+        assert ck.last_load_stats.phases and not _records(tmp_path / "s", "load", ck)   # in memory only
+        assert len(_records(tmp_path / "s", "save", ck)) == 1
     with bcp.Checkpointer(record_stats="off", async_save=True) as ck:
         h = ck.save(tmp_path / "o", _state()).wait()
         ck.load(tmp_path / "o", _state())
