@@ -66,9 +66,9 @@ test-frameworks-accelerate: $(FRAMEWORKS)
 
 # transformers 5.24's test_trainer_checkpointing.py / test_trainer_resume.py with attach(trainer)
 # injected (~1.5 min); the suite's files are not in this repository: tests/frameworks/transformers/ORIGIN.md
-TRANSFORMERS_SUITE ?=
+TRANSFORMERS_SUITE ?= ../shared/framework_suites/transformers
 test-frameworks-transformers: $(FRAMEWORKS)
-	$(PY) tests/frameworks/run_transformers.py $(if $(TRANSFORMERS_SUITE),--suite $(TRANSFORMERS_SUITE))
+	$(PY) tests/frameworks/run_transformers.py --suite $(TRANSFORMERS_SUITE)
 
 # ---- the supported version ranges (not part of `make test`) --------------------------------------
 # The adapters' tests on the newest supported Lightning/Accelerate (the main venv) and on the

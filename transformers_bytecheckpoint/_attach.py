@@ -37,6 +37,7 @@ from . import _folders as folders
 from . import _peft as peft
 from . import _rng as rng
 from . import _routes as routes
+from . import _views as views
 from ._metrics import MetricsLog
 from ._model_files import write_model_files
 
@@ -192,7 +193,8 @@ class TrainerAttachment:
         state = self._state(route, call)
         writes = route.collective or args.should_save
         if writes:
-            group = {} if route.collective else {"process_group": bcp.LOCAL}
+            group = {} if route.collective else {"process_group": bcp.LOCAL,
+                                                  **views.save_kwargs(state, folders.subdir(output_dir), output_dir)}
             handle = self._ckpt.save(folders.subdir(output_dir), state, overwrite=True, step=int(tr.state.global_step),
                                      async_save=False if sync else self._async, **group, **self._storage)
             self.last_save = dict(handle.stats, returned_s=time.perf_counter() - t0)

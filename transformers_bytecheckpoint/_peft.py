@@ -84,6 +84,15 @@ def _set(model: Any, state_dict: Dict[str, Any], adapter: str) -> None:
 
 
 def write_files(model: Any, output_dir: str) -> None:
-    """README.md and, per adapter, adapter_config.json and adapter_model.safetensors, as
-    PeftModel.save_pretrained writes them (the stock Trainer's files of a PEFT model)."""
-    model.save_pretrained(output_dir, is_main_process=True)
+    """README.md and, per adapter, adapter_config.json, as PeftModel.save_pretrained writes them (the
+    stock Trainer's files of a PEFT model), by save_pretrained itself given no weights; the weights
+    file it then writes (empty) is removed: adapter_model.safetensors is the adapter's safetensors
+    pack, linked in before the checkpoint commits (_views.py)."""
+    weights = [os.path.join(folder_of(output_dir, name), WEIGHTS_NAME) for name in model.peft_config]
+    for path in weights:  # a link into an earlier save of this folder: save_file would write through it
+        if os.path.lexists(path):
+            os.remove(path)
+    model.save_pretrained(output_dir, is_main_process=True, state_dict={}, save_embedding_layers=False)
+    for path in weights:
+        if os.path.lexists(path):
+            os.remove(path)

@@ -109,8 +109,8 @@ def test_ddp_checkpoint_folders(ddp: Path) -> None:
     for step in (2, 4):
         folder = ddp / "bcp" / f"checkpoint-{step}"
         files = set(os.listdir(folder))
-        assert {"bytecheckpoint", "trainer_state.json", "config.json", "training_args.bin"} <= files, files
-        assert not files & set(STOCK_FILES), files
+        assert {"bytecheckpoint", "trainer_state.json", "config.json", "training_args.bin", "model.safetensors"} <= files
+        assert not files & set(STOCK_FILES[1:]), files  # model.safetensors: a link into bytecheckpoint/ (below)
         assert committed(folder)
         info = bcp.inspect(str(folder / "bytecheckpoint"))
         assert info.world_size == 1  # replicated state: the should_save process wrote it alone
@@ -122,6 +122,29 @@ def test_ddp_checkpoint_folders(ddp: Path) -> None:
     assert committed(ddp / "bcp" / "checkpoint-6")
     # stock: its own files, as always
     assert set(STOCK_FILES[:3]) <= set(os.listdir(ddp / "stock" / "checkpoint-4"))
+
+
+def test_checkpoint_folders_open_with_from_pretrained_weights_written_once(ddp: Path) -> None:
+    """Every checkpoint folder has the stock folder's model.safetensors: the checkpoint's own
+    safetensors pack (format 6), hard linked, so from_pretrained opens the folder and the weights are
+    on disk once. checkpoint-6, saved again by the resumed runs, links the new save's pack."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    import bytecheckpoint as bcp
+
+    for step in (2, 4, 6):
+        folder = ddp / "bcp" / f"checkpoint-{step}"
+        md = bcp.Checkpointer().metadata(str(folder / "bytecheckpoint"))
+        (pack,) = md.safetensors["model"]
+        assert os.path.samefile(folder / "model.safetensors", folder / "bytecheckpoint" / md.packs[pack])
+        assert os.stat(folder / "model.safetensors").st_nlink == 2
+        ours, stock = (load_file(str(d / f"checkpoint-{step}" / "model.safetensors")) for d in (ddp / "bcp", ddp / "stock"))
+        assert set(ours) - set(stock) == {"lm_head.weight"}  # tied to the embedding: save_pretrained drops it
+        assert all(torch.equal(ours[k], stock[k]) for k in stock), step
+    model = AutoModelForCausalLM.from_pretrained(str(ddp / "bcp" / "checkpoint-4"))
+    stock = load_file(str(ddp / "stock" / "checkpoint-4" / "model.safetensors"))
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in stock.items())
 
 
 def test_final_save_model_writes_safetensors_from_pretrained_opens(ddp: Path) -> None:

@@ -304,3 +304,68 @@ def test_model_overriding_load_state_dict_is_loaded_through_it(tmp_path: Path) -
         resumed = order(out, attached, resume=str(out / "checkpoint-5"))
         assert torch.equal(resumed, full), (attached, resumed, full)
     assert (tmp_path / "bcp" / "checkpoint-5" / "bytecheckpoint").is_dir()
+
+
+# ---------------------------------------------------------------------------------------- PEFT (LoRA)
+
+def _lora_run(out: Path, *, attached=None, resume=None, **kw):
+    from tiny import tiny_lora
+    from transformers import Trainer
+
+    eval_dataset = kw.pop("eval_dataset", None)
+    t = Trainer(model=tiny_lora(), args=training_args(str(out), **kw), train_dataset=Tokens(), eval_dataset=eval_dataset)
+    handle = attach(t, async_save=attached == "async") if attached else None
+    t.train(resume_from_checkpoint=resume)
+    result = {"weights": weights(t.model), "losses": losses(t), "step": t.state.global_step, "trainer": t}
+    if handle is not None:
+        handle.remove()
+    return result
+
+
+def test_lora_load_best_model_at_end_bit_exact_with_stock(tmp_path: Path) -> None:
+    pytest.importorskip("peft")
+    # "best" = the highest eval loss: an early checkpoint, so loading it changes the weights
+    kw = dict(eval_strategy="steps", eval_steps=2, load_best_model_at_end=True, metric_for_best_model="loss",
+              greater_is_better=True, save_total_limit=1, eval_dataset=Tokens(n=8, seed=99), learning_rate=3e-2)
+    want = _lora_run(tmp_path / "stock", **kw)
+    got = _lora_run(tmp_path / "bcp", attached="async", **kw)
+    best = os.path.basename(want["trainer"].state.best_model_checkpoint)
+    assert best != "checkpoint-6" and got["trainer"].state.best_model_checkpoint.endswith(best)
+    same(got, want, "LoRA load_best_model_at_end")  # the best adapter loaded, as the stock load_adapter does
+    assert sorted(os.listdir(tmp_path / "bcp")) == sorted(os.listdir(tmp_path / "stock"))
+
+
+def test_lora_checkpoint_saved_with_the_whole_model_still_resumes(tmp_path: Path, monkeypatch) -> None:
+    """A PEFT run's checkpoint from before adapter-only saves (the whole PeftModel under 'model')
+    resumes as before, bit for bit as the stock resume."""
+    pytest.importorskip("peft")
+    from transformers_bytecheckpoint import _peft
+
+    want = _lora_run(tmp_path / "stock", resume=None)
+    want = _lora_run(tmp_path / "stock", resume=str(tmp_path / "stock" / "checkpoint-4"))
+    with monkeypatch.context() as m:
+        m.setattr(_peft, "model_of", lambda trainer, route: None)  # the adapter as it was: the whole model
+        _lora_run(tmp_path / "bcp", attached="sync")
+    saved = {t.name.split("/")[0] for t in bcp.inspect(str(tmp_path / "bcp" / "checkpoint-4" / "bytecheckpoint")).tensors}
+    assert "model" in saved and "adapter" not in saved
+    got = _lora_run(tmp_path / "bcp", attached="sync", resume=str(tmp_path / "bcp" / "checkpoint-4"))
+    same(got, want, "resume of a whole-model PEFT checkpoint")
+    saved = {t.name.split("/")[0] for t in bcp.inspect(str(tmp_path / "bcp" / "checkpoint-6" / "bytecheckpoint")).tensors}
+    assert saved == {"adapter", "optimizer"}  # its new checkpoints are adapter-only
+
+
+def test_torch_compile_checkpoints_resume_into_plain_runs_and_back(tmp_path: Path) -> None:
+    """torch_compile=True (backend eager: the names do not depend on the backend): the checkpoint's
+    names are the model's own, so a plain run resumes a compiled run's checkpoint and the other way
+    round, as the stock Trainer's checkpoints do."""
+    compiled = dict(torch_compile=True, torch_compile_backend="eager")
+    run(tmp_path / "c", attached="sync", **compiled)
+    names = {t.name for t in bcp.inspect(str(tmp_path / "c" / "checkpoint-4" / "bytecheckpoint")).tensors}
+    assert "model/transformer.wte.weight" in names and not any("_orig_mod" in n for n in names)
+    want = run(tmp_path / "stock")
+    want = run(tmp_path / "stock", resume=str(tmp_path / "stock" / "checkpoint-4"))
+    got = run(tmp_path / "c", attached="sync", resume=str(tmp_path / "c" / "checkpoint-4"))  # compiled -> plain
+    same(got, want, "plain resume of a compiled run")
+    run(tmp_path / "p", attached="sync")
+    got = run(tmp_path / "p", attached="sync", resume=str(tmp_path / "p" / "checkpoint-4"), **compiled)
+    assert got["step"] == 6 and got["losses"][-2:] == want["losses"][-2:]  # plain -> compiled

@@ -13,7 +13,7 @@ import bytecheckpoint as bcp
 from bytecheckpoint.state.modules import plain_name
 from bytecheckpoint.tools.export import export_safetensors
 
-OLD = Path(__file__).parent / "data" / "format_v5"   # {"model": torch.compile(net), "optimizer": AdamW, "step": 7}
+OLD_FIXTURE = Path(__file__).parent / "data" / "format_v5"   # {"model": torch.compile(net), "optimizer": AdamW, "step": 7}
 
 
 def _net(seed=0):
@@ -67,6 +67,8 @@ def test_compiled_and_plain_load_each_other(tmp_path, how):
 
 
 def test_old_checkpoint_with_orig_mod_names_loads_into_plain_and_compiled_and_exports_plain(tmp_path):
+    import shutil
+    OLD = shutil.copytree(OLD_FIXTURE, tmp_path / "old")  # a load records its stats beside the checkpoint
     assert any(k.startswith("model/_orig_mod.") for k in bcp.Checkpointer().metadata(OLD).tensors)
     saved = bcp.load_full(OLD)
     want = {plain_name(k): v for k, v in saved["model"].items()}

@@ -1,0 +1,44 @@
+"""The weights file of a checkpoint folder, as the stock Trainer's folder has it, written once.
+
+The stock folder holds ``model.safetensors`` (``from_pretrained(folder)`` opens it) or, for a PEFT
+model, ``adapter_model.safetensors`` (``PeftModel.from_pretrained(base, folder)``). The adapter asks
+bytecheckpoint to write those tensors as safetensors packs (``save(..., safetensors=[...])``, format
+6: a pack *is* the safetensors file ``save_file`` would write) and, before the commit point, hard
+links the pack into the folder under the stock name: the bytes are on disk once, the folder opens
+with the Hugging Face loaders, and ``metadata.json`` is written after the link (a committed
+checkpoint's folder has its weights file). Deleting the folder deletes both names.
+
+Where: the REPLICATED route (one process, DDP), whose writing process holds every tensor whole.
+Sharded routes (FSDP, DeepSpeed) write no weights file (docs/transformers.md).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Dict
+
+from bytecheckpoint.tools.safetensors import SINGLE_FILE, link_views
+
+from . import _peft as peft
+
+logger = logging.getLogger(__name__)
+
+
+def save_kwargs(state: Dict[str, Any], checkpoint_dir: str, output_dir: str) -> Dict[str, Any]:
+    """`safetensors=` and `before_commit=` for Checkpointer.save of `state` (a REPLICATED save)."""
+    if peft.KEY in state:
+        targets = {f"{peft.KEY}/{name}": (peft.folder_of(output_dir, name), peft.WEIGHTS_NAME)
+                   for name in state[peft.KEY]}
+    elif "model" in state:
+        targets = {"model": (output_dir, SINGLE_FILE)}
+    else:
+        return {}
+
+    def before_commit(md: Any) -> None:
+        for group, (folder, name) in targets.items():
+            if group not in md.safetensors:
+                logger.warning("bytecheckpoint: %s has no %s: some of its tensors are not ones a safetensors file "
+                               "holds (dtype), so it opens with bytecheckpoint only", folder, name)
+                continue
+            link_views(checkpoint_dir, md, group, folder, weights_name=name)
+    return {"safetensors": list(targets), "before_commit": before_commit}
+
