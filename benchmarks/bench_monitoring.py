@@ -10,13 +10,13 @@ against record_stats="off" (nothing recorded: the code of before), interleaved i
 repetition (the order alternates), medians.
 
 Two measurements, both printed as FIGURE lines:
-- recording cost, accounted (the judge, target <= 0.01): what recording puts on the operation's
-  path: its spans x the cost of a span measured here (100k spans, best of 5), + the byte sums
-  recording adds (timed on the same tensors), + a Recorder's creation and the hand-over of the
-  finished record to the writer thread, over the operation's time with recording on. An async
-  save's stall counts only what runs on the caller's thread before save() returns. The record's
-  own serialisation and put (rec.self_s) run on the Checkpointer's writer thread after the
-  operation returned: printed, not counted.
+- recording cost, accounted (the judge, target <= 0.01): what recording adds to the operation:
+  its spans x the cost of a span measured here (100k spans, best of 5), + the byte sums
+  recording adds (timed on the same tensors), + a Recorder's life (made, attached, finished), +
+  the record's own end (fold, JSON, put_aside; timed by the recorder: rec.self_s), over the
+  operation's time with recording on. An async save's stall counts only what runs on the
+  caller's thread before save() returns (its record is written on the job thread: counted in
+  the whole async save).
 - with / without recording (ratio of medians, no target): the A/B end to end. Its spread on a
   shared machine is larger than 1%; it shows that nothing else slowed down.
 """
@@ -37,7 +37,7 @@ sys.path.insert(0, HERE)
 from figures import figure  # noqa: E402
 
 import bytecheckpoint as bcp  # noqa: E402
-from bytecheckpoint.monitor import AsideWrites, Recorder, SaveStats  # noqa: E402
+from bytecheckpoint.monitor import Recorder, SaveStats  # noqa: E402
 
 
 def best_per_call(fn, n: int, rounds: int = 5) -> float:
@@ -71,23 +71,13 @@ def span_cost() -> float:
 
 
 def fixed_cost() -> float:
-    """Per operation: a Recorder made, attached to the handle's SaveStats, finished (its listener
-    run) and its record handed over to the writer thread."""
-    writer = AsideWrites(limit=10**6)
-
+    """Per operation: a Recorder made, attached to the handle's SaveStats, finished (its listener run)."""
     def lifecycle(n):
         for _ in range(n):
-            rec = Recorder("save", rank=0, world_size=1, path="p", sink=writer)
+            rec = Recorder("save", rank=0, world_size=1, path="p")
             SaveStats().attach(rec)
             rec.finish()
-            writer.submit(_nothing)
-    cost = best_per_call(lifecycle, 5_000)
-    writer.settle()
-    return cost
-
-
-def _nothing() -> None:
-    pass
+    return best_per_call(lifecycle, 5_000)
 
 
 def bytes_sum_cost(tensors: List[torch.Tensor]) -> float:
@@ -157,24 +147,24 @@ def run_case(name: str, state, root: str, reps: int, costs: Dict[str, float]) ->
             if mode == "on":
                 srec, arec, lrec = h.stats._rec, a.stats._rec, ck.last_load_stats.rec
                 fixed = costs["fixed"]
-                cost["save"].append(len(srec._spans) * costs["span"] + sums + fixed)
+                cost["save"].append(len(srec._spans) * costs["span"] + sums + fixed + srec.self_s)
                 caller = [s for s in arec._spans if s[2] <= arec.perf0 + a.stats["stall_s"]]
-                cost["stall"].append(len(caller) * costs["span"] + sums + costs["fixed"])
-                cost["async"].append(len(arec._spans) * costs["span"] + 2 * sums + fixed)
-                cost["load"].append(len(lrec._spans) * costs["span"] + fixed)
+                cost["stall"].append(len(caller) * costs["span"] + sums + fixed)
+                cost["async"].append(len(arec._spans) * costs["span"] + 2 * sums + fixed + arec.self_s)
+                cost["load"].append(len(lrec._spans) * costs["span"] + fixed + lrec.self_s)
     for ck in engines.values():
         ck.close()
     label = f"{name} {mib:.0f} MiB"
     print(f"{label}: {len(tensors)} tensors; spans per sync save {len(srec._spans)}, async {len(arec._spans)}, "
-          f"load {len(lrec._spans)}; byte sums {sums * 1e3:.3f} ms; on the writer thread, after the operation: "
-          f"record JSON + put {srec.self_s * 1e3:.2f} ms (save), {lrec.self_s * 1e3:.2f} ms (load)", flush=True)
+          f"load {len(lrec._spans)}; byte sums {sums * 1e3:.3f} ms; record end (fold + JSON + put) "
+          f"{srec.self_s * 1e3:.2f} ms (save), {lrec.self_s * 1e3:.2f} ms (load)", flush=True)
     for op, what in (("save", "sync save"), ("stall", "async save stall"), ("async", "async save (whole)"),
                      ("load", "load")):
         on = med(times["on"][op])
         figure(f"recording cost / {what}, {label}", med(cost[op]) * 1e3, on * 1e3, "<= 0.01", unit="ms",
                peer_name="the operation with recording (its median)",
-               note=f"accounted on the operation's path: spans x {costs['span'] * 1e6:.2f} us + byte sums + "
-                    f"recorder + hand-over; W=1, {root}")
+               note=f"accounted: spans x {costs['span'] * 1e6:.2f} us + byte sums + recorder + record end; "
+                    f"W=1, {root}")
     for op, what in (("save", "sync save"), ("stall", "async save stall"), ("load", "load")):
         on, off = times["on"][op], times["off"][op]
         spread = (max(off) - min(off)) / med(off) if off else float("nan")
@@ -194,7 +184,8 @@ def main(argv=None) -> int:
     shutil.rmtree(args.dir, ignore_errors=True)
     os.makedirs(args.dir)
     costs = {"span": span_cost(), "fixed": fixed_cost()}
-    print(f"span {costs['span'] * 1e6:.2f} us, per operation (recorder, finish, hand-over) {costs['fixed'] * 1e6:.2f} us; "
+    print(f"span {costs['span'] * 1e6:.2f} us, per operation (recorder made, attached, finished) "
+          f"{costs['fixed'] * 1e6:.2f} us; "
           f"{os.cpu_count()} CPUs", flush=True)
     try:
         run_case("LLM-like", llm_like_state(32 if quick else 256), args.dir, reps, costs)

@@ -89,7 +89,7 @@ class Checkpointer:
                       if local_tier else None)
         self.last_load_stats = loader.LoadStats()
         self.last_save_stats = SaveStats()  # the newest save()'s (its handle's .stats; complete once done)
-        self._aside = AsideWrites()  # writes stats records off the operations' path (its own thread)
+        self._aside = AsideWrites()  # stats records still being put (object stores); settled by wait()
         self.fault_rules = faults.Rules(fault_rules)  # test-only storage faults (storage/faults.py)
         self._pending = PendingSaves()
         self._runner = BackgroundRunner()
@@ -296,7 +296,7 @@ class Checkpointer:
         times and the stragglers (this process only; `bytecheckpoint stats`, docs/monitoring.md)."""
         from .catalog.stats import read_stats
         self._check_open()
-        self._aside.settle()  # this process's own records are written off the save's path: wait for them
+        self._aside.settle()  # this process's own records still in flight (object stores)
         return read_stats(self.storage(path, storage_options), self._read_metadata, str(path), load=load)
 
     def verify(self, path, *, storage_options: Any = _UNSET, progress=None) -> "inspection.VerifyReport":

@@ -5,6 +5,7 @@ from __future__ import annotations
 from .record import PHASES, kind_of
 from .report import StatsReport
 
+WAIT_HATCHES = ("//", "\\\\", "xx", "..", "--", "++", "oo")
 NEEDS_MATPLOTLIB = ("--plot needs matplotlib (pip install matplotlib); --trace FILE needs nothing (open it in "
                     "https://ui.perfetto.dev)")
 
@@ -28,8 +29,12 @@ def plot(rep: StatsReport, out: str, max_ranks: int = 64) -> None:
         ranks = sorted(keep)
     t0 = min(records[r]["start_unix"] for r in ranks)
     top = [p for p in PHASES if any(p in records[r]["phases"] for r in ranks)]
-    cmap = plt.get_cmap("tab20")
-    colors = {p: cmap(i % 20) for i, p in enumerate(top)}
+    # work phases in distinct colours; wait phases light grey, told apart by their hatching
+    work = [p for p in top if kind_of(p) == "work"]
+    wait = [p for p in top if kind_of(p) != "work"]
+    colors = {p: plt.get_cmap("tab10")(i % 10) for i, p in enumerate(work)}
+    colors.update({p: "#d0d0d0" for p in wait})
+    hatches = {p: WAIT_HATCHES[i % len(WAIT_HATCHES)] for i, p in enumerate(wait)}
     fig, ax = plt.subplots(figsize=(11, max(2.6, 1.3 + 0.42 * len(ranks))))
     for y, r in enumerate(ranks):
         rec = records[r]
@@ -38,9 +43,8 @@ def plot(rep: StatsReport, out: str, max_ranks: int = 64) -> None:
             ph = rec["phases"].get(p)
             if ph is None:
                 continue
-            wait = kind_of(p) == "wait"
             ax.barh(y, ph["us"] / 1e6, left=off + ph["start_us"] / 1e6, color=colors[p], height=0.7,
-                    alpha=0.45 if wait else 1.0, hatch="//" if wait else None, edgecolor="white", linewidth=0.3)
+                    hatch=hatches.get(p), edgecolor="#808080" if p in hatches else "white", linewidth=0.3)
     slow = {s.rank: s for s in rep.stragglers}
     ax.set_yticks(range(len(ranks)))
     ax.set_yticklabels([f"rank {r}" + (f"  ({slow[r].phase})" if r in slow else "") for r in ranks])
@@ -51,8 +55,8 @@ def plot(rep: StatsReport, out: str, max_ranks: int = 64) -> None:
     ax.set_xlabel("seconds since the first rank started")
     ax.set_title(f"{rep.op} {rep.op_id}: where each rank's time went" +
                  (f" (straggler: rank {', '.join(map(str, slow))})" if slow else ""), fontsize="medium")
-    ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=colors[p], alpha=0.45 if kind_of(p) == "wait" else 1.0,
-                                     hatch="//" if kind_of(p) == "wait" else None) for p in top],
+    ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, facecolor=colors[p], hatch=hatches.get(p),
+                                     edgecolor="#808080" if p in hatches else colors[p]) for p in top],
               labels=[f"{p} ({kind_of(p)})" for p in top], fontsize="small", loc="upper left",
               bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()

@@ -24,7 +24,6 @@ import sys
 import threading
 import time
 import uuid
-import weakref
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
@@ -303,93 +302,54 @@ def record_key(data_dir: str, op: str, rank: int) -> str:
 
 
 class AsideWrites:
-    """Writes stats records off the operations' path: one daemon thread (started on demand, gone
-    after IDLE_S without work) serialises each finished record and puts it beside its
-    checkpoint, waiting for the store there; errors are swallowed (DEBUG). At most `limit` records
-    wait (more are dropped, with a DEBUG line). settle() waits for them (bounded), as
-    Checkpointer.wait()/close() and interpreter exit do (a record lost at a hard exit reads as
-    missing)."""
+    """Record writes still in flight (an object store's PUT answers later): settled, errors
+    swallowed (DEBUG), by wait()/close() and when more than `limit` wait (the oldest first).
+    Local files are written before put_aside returns: nothing waits here for them."""
 
-    IDLE_S = 2.0
-
-    def __init__(self, limit: int = 256) -> None:
+    def __init__(self, limit: int = 64) -> None:
+        self._lock = threading.Lock()
+        self._pending: Deque[Any] = deque()
         self.limit = limit
-        self._cv = threading.Condition()
-        self._jobs: Deque[Callable[[], None]] = deque()
-        self._busy = False
-        self._thread: Optional[threading.Thread] = None
-        self._at_exit_registered = False
 
-    def submit(self, job: Callable[[], None]) -> None:
-        with self._cv:
-            if len(self._jobs) >= self.limit:
-                log.debug("bytecheckpoint: %d stats records waiting; this one is dropped", len(self._jobs))
-                return
-            self._jobs.append(job)
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="bytecheckpoint-stats", daemon=True)
-                self._thread.start()
-                self._register_at_exit()
-            self._cv.notify()
+    def add(self, request: Any) -> None:
+        with self._lock:
+            self._pending.append(request)
+            old = self._pending.popleft() if len(self._pending) > self.limit else None
+        if old is not None:
+            _settle(old)
 
-    def settle(self, timeout_s: float = 30.0) -> None:
-        """Wait until every submitted record was written (or failed), at most `timeout_s`."""
-        deadline = time.monotonic() + timeout_s
-        with self._cv:
-            while (self._jobs or self._busy) and self._thread is not None and self._thread.is_alive():
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    log.debug("bytecheckpoint: stats records still being written after %.0f s", timeout_s)
-                    return
-                self._cv.wait(min(left, 0.5))
+    def settle(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, deque()
+        for request in pending:
+            _settle(request)
 
-    def _run(self) -> None:
-        while True:
-            with self._cv:
-                self._busy = False
-                if not self._jobs:
-                    self._cv.notify_all()
-                    self._cv.wait(self.IDLE_S)
-                    if not self._jobs:  # idle: the thread ends (the next submit starts another)
-                        self._thread = None if self._thread is threading.current_thread() else self._thread
-                        return
-                job, self._busy = self._jobs.popleft(), True
-            try:
-                job()
-            except Exception as exc:  # noqa: BLE001 - a record never fails anything
-                log.debug("bytecheckpoint: a stats record was not written: %s", exc)
 
-    def _register_at_exit(self) -> None:
-        if self._at_exit_registered:
-            return
-        self._at_exit_registered = True
-        register = getattr(threading, "_register_atexit", None)  # before the interpreter stops threads
-        me = weakref.ref(self)
-        try:
-            (register or __import__("atexit").register)(lambda: me() is not None and me().settle(5.0))
-        except RuntimeError:  # already shutting down
-            pass
+def _settle(request: Any) -> None:
+    try:
+        request.result()
+    except Exception as exc:  # noqa: BLE001 - a record never fails anything
+        log.debug("bytecheckpoint: a stats record was not written: %s", exc)
 
 
 def write_record(rec: Recorder, store: Any, key: str, error: Optional[BaseException] = None) -> None:
-    """Finish `rec` and have it put beside the checkpoint at `key` (Storage.put_aside: atomic for
-    readers, never fsynced): by the recorder's AsideWrites thread when it has one (the operation
-    pays only the hand-over), else here. Never raises; skipped for read-only stores."""
+    """Finish `rec` and put it beside the checkpoint at `key` (Storage.put_aside: atomic for
+    readers, never fsynced, not waited for on object stores: the recorder's AsideWrites settles
+    it). Runs where the operation ends (an async save's job thread, else the caller): the record
+    exists once the operation returned, even if the process dies right after. Never raises;
+    skipped for read-only stores. Its cost is rec.self_s (benchmarks/bench_monitoring.py)."""
     if not rec.enabled:
         return
     rec.finish(error)
     if store is None or getattr(store, "read_only", False):
         return
-    if rec.sink is not None:
-        rec.sink.submit(lambda: _put(rec, store, key))
-    else:
-        _put(rec, store, key)
-
-
-def _put(rec: Recorder, store: Any, key: str) -> None:
     t = time.perf_counter()
     try:
-        store.put_aside(key, rec.dumps()).result()
+        request = store.put_aside(key, rec.dumps())
+        if rec.sink is not None:
+            rec.sink.add(request)
+        else:
+            _settle(request)
     except Exception as exc:  # noqa: BLE001 - a record never fails a save or load
         log.debug("bytecheckpoint: the stats record %s was not written: %s", key, exc)
     rec.self_s = time.perf_counter() - t
