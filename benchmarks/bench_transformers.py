@@ -21,7 +21,16 @@ stock one and an attached one. Each repeat, interleaved:
   JIT          the Trainer's JIT checkpoint (CheckpointManager.execute_jit_checkpoint, what runs
                after SIGTERM): stock (not durable), stock+fsync, attached (synchronous, committed,
                durable)
-Medians over --repeats. Files: what one checkpoint folder holds (recursively).
+Medians over --repeats. Files: what one checkpoint folder holds (recursively); bytes: what it holds
+on disk, a hard-linked file counted once (the attached folder's model.safetensors is the
+checkpoint's own safetensors pack, issue 33); from_pretrained: LlamaForCausalLM.from_pretrained of
+the folder, stock vs attached.
+
+LoRA (issue 33; --lora-only runs just this part): the same Llama-shaped base with a peft LoRA
+adapter (r=16 on q/k/v/o_proj), one training step; stock vs attached _save_checkpoint, each folder's
+bytes on disk (stock: adapter_model.safetensors + optimizer.pt + ...; attached: the adapter and its
+optimizer state in bytecheckpoint/, adapter_model.safetensors a link to its pack), the save stall
+(bcp async), and sync (written, fsynced, committed). Targets: bytes <= 2x stock + 1 MiB, stall <= stock.
 """
 from __future__ import annotations
 
@@ -88,6 +97,106 @@ def count_files(path: str) -> int:
     return sum(len(files) for _, _, files in os.walk(path))
 
 
+def bytes_on_disk(path: str) -> int:
+    """Bytes of every file under `path`, a hard-linked file counted once."""
+    sizes = {}
+    for d, _, names in os.walk(path):
+        for name in names:
+            st = os.stat(os.path.join(d, name))
+            sizes[(st.st_dev, st.st_ino)] = st.st_size
+    return sum(sizes.values())
+
+
+LORA_SHAPES = {  # name -> (rank, target modules)
+    "r16 attention": (16, ["q_proj", "k_proj", "v_proj", "o_proj"]),
+    "r64 all linear": (64, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+}
+
+
+def lora_trainer(out: str, layers: int, shape: str = "r16 attention"):
+    from peft import LoraConfig, get_peft_model
+    from transformers import Trainer, TrainingArguments
+
+    args = TrainingArguments(output_dir=out, per_device_train_batch_size=2, max_steps=1, save_strategy="no",
+                             report_to=[], use_cpu=True, disable_tqdm=True, logging_strategy="no")
+    rank, targets = LORA_SHAPES[shape]
+    model = get_peft_model(llama(layers), LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.05,
+                                                     task_type="CAUSAL_LM", target_modules=targets))
+    t = Trainer(model=model, args=args, train_dataset=Tokens())
+    t.train()
+    return t
+
+
+def lora_bench(root: str, layers: int, repeats: int, shape: str = "r16 attention") -> None:
+    """Stock vs attached checkpoints of a LoRA fine-tune (the module docstring)."""
+    from transformers_bytecheckpoint import attach
+
+    tag = shape.replace(" ", "_")
+    stock = lora_trainer(os.path.join(root, f"lora_stock_{tag}"), layers, shape)
+    ours = lora_trainer(os.path.join(root, f"lora_bcp_{tag}"), layers, shape)
+    handle = attach(ours, log_metrics=False)
+    trainable = sum(p.numel() for p in ours.model.parameters() if p.requires_grad)
+    base = sum(p.numel() for p in ours.model.parameters()) - trainable
+    print(f"\nLoRA {shape}: base {base / 1e6:.1f}M parameters (frozen), adapter {trainable / 1e6:.2f}M trainable; "
+          f"{repeats} repeats", flush=True)
+    times: Dict[str, List[float]] = {k: [] for k in ("stock", "stock+fsync", "bcp async", "bcp sync")}
+    size: Dict[str, int] = {}
+    step = [100]
+
+    def save(t, fn: Callable[[], None]) -> float:
+        step[0] += 1
+        t.state.global_step = step[0]
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    def folder(t) -> str:
+        return os.path.join(t.args.output_dir, f"checkpoint-{t.state.global_step}")
+
+    for r in range(repeats + 1):
+        got = {"stock": save(stock, lambda: stock._save_checkpoint(stock.model, None))}
+        size["stock"] = bytes_on_disk(folder(stock))
+        shutil.rmtree(stock.args.output_dir, ignore_errors=True)
+        got["stock+fsync"] = save(stock, lambda: (stock._save_checkpoint(stock.model, None), fsync_tree(folder(stock))))
+        shutil.rmtree(stock.args.output_dir, ignore_errors=True)
+        handle._async = True
+        got["bcp async"] = save(ours, lambda: ours._save_checkpoint(ours.model, None))
+        handle.wait()
+        size["bcp"] = bytes_on_disk(folder(ours))
+        shutil.rmtree(ours.args.output_dir, ignore_errors=True)
+        handle._async = False
+        got["bcp sync"] = save(ours, lambda: ours._save_checkpoint(ours.model, None))
+        shutil.rmtree(ours.args.output_dir, ignore_errors=True)
+        print(f"lora round {r}{' (warm-up)' if r == 0 else ''}: " + ", ".join(f"{k} {v:.4f}" for k, v in got.items())
+              + f"; bytes stock {size['stock']}, bcp {size['bcp']}", flush=True)
+        if r:
+            for k, v in got.items():
+                times[k].append(v)
+    handle.remove()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print(f"\n| LoRA ({shape}) Trainer checkpoint, 1 process | seconds (median) | / stock |")
+    print("|---|---:|---:|")
+    for k, v in med.items():
+        print(f"| {k} | {v:.4f} | {v / med['stock']:.2f} |")
+    print(f"\nLoRA checkpoint folder bytes on disk: stock {size['stock'] / 2**20:.3f} MiB, bcp {size['bcp'] / 2**20:.3f} "
+          f"MiB ({size['bcp'] / size['stock']:.2f}x; target <= 2x + 1 MiB = {(2 * size['stock'] + 2**20) / 2**20:.3f} MiB)")
+    figure(f"LoRA ({shape}) checkpoint folder bytes on disk, bcp / stock Trainer (issue 33)", size["bcp"] / 2**20,
+           size["stock"] / 2**20, f"<= {(2 * size['stock'] + 2**20) / size['stock']:.2f}", unit="MiB",
+           peer_name="stock Trainer checkpoint folder", note="target: 2x stock + 1 MiB")
+    figure(f"LoRA ({shape}) save stall, bcp async / stock Trainer save (issue 33)", med["bcp async"], med["stock"],
+           "<= 1",
+           peer_name="stock Trainer._save_checkpoint", note=f"bcp sync (durable, committed) {med['bcp sync']:.4f} s; "
+                                                            f"stock + fsync {med['stock+fsync']:.4f} s")
+
+
+def from_pretrained(path: str) -> float:
+    from transformers import LlamaForCausalLM
+
+    t0 = time.perf_counter()
+    LlamaForCausalLM.from_pretrained(path)
+    return time.perf_counter() - t0
+
+
 def jit_manager(t):
     for cb in t.callback_handler.callbacks:
         if getattr(cb, "jit_manager", None) is not None:
@@ -100,6 +209,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--repeats", type=int, default=None)
+    p.add_argument("--lora-only", action="store_true", help="only the LoRA part (issue 33)")
     a = p.parse_args()
     quick = a.quick or os.environ.get("BCP_BENCH_QUICK") == "1"
     layers = a.layers or (8 if quick else 24)
@@ -110,10 +220,17 @@ def main() -> None:
     from transformers_bytecheckpoint import attach
 
     root = tempfile.mkdtemp(prefix="bench_tr_", dir=os.environ.get("BCP_BENCH_DIR"))
+    if a.lora_only:
+        try:
+            for shape in LORA_SHAPES:
+                lora_bench(root, layers, repeats, shape)
+            return None
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
     try:
         stock = trainer(os.path.join(root, "stock"), layers)
         ours = trainer(os.path.join(root, "bcp"), layers)
-        handle = attach(ours)
+        handle = attach(ours, log_metrics=False)
         nparams = sum(p.numel() for p in stock.model.parameters())
         nbytes = nparams * 4 * 3
         print(f"Llama-shaped: {layers} layers, {nparams / 1e6:.1f}M parameters, {nbytes / 2**20:.0f} MiB with AdamW "
@@ -125,6 +242,7 @@ def main() -> None:
             v for s in ours.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
         floor_bufs = [torch.empty_like(t) for t in state]  # a copy of the state into warm buffers
         files: Dict[str, int] = {}
+        size: Dict[str, int] = {}
         step = [100]
 
         def folder(t) -> str:
@@ -144,6 +262,9 @@ def main() -> None:
             got: Dict[str, float] = {}
             got["stock"] = save(stock, lambda: stock._save_checkpoint(stock.model, None))
             files["stock"] = count_files(folder(stock))
+            size["stock"] = bytes_on_disk(folder(stock))
+            if r == repeats:
+                got["from_pretrained stock"] = from_pretrained(folder(stock))
             clean(stock)
             got["stock+fsync"] = save(stock, lambda: (stock._save_checkpoint(stock.model, None),
                                                       fsync_tree(folder(stock))))
@@ -155,6 +276,9 @@ def main() -> None:
             got["bcp async committed"] = got["bcp async"] + time.perf_counter() - t0
             got["bcp async: engine stall"] = handle.last_save.get("stall_s", float("nan"))
             files["bcp"] = count_files(folder(ours))
+            size["bcp"] = bytes_on_disk(folder(ours))
+            if r == repeats:
+                got["from_pretrained bcp"] = from_pretrained(folder(ours))
             clean(ours)
             handle._async = False
             got["bcp sync"] = save(ours, lambda: ours._save_checkpoint(ours.model, None))
@@ -176,7 +300,7 @@ def main() -> None:
                   flush=True)
             if r:
                 for k, v in got.items():
-                    times[k].append(v)
+                    times.setdefault(k, []).append(v)
         handle.remove()
         med = {k: statistics.median(v) for k, v in times.items()}
         print("\n| Trainer checkpoint, 1 process, %.0f MiB | seconds (median) | / stock |" % (nbytes / 2**20))
@@ -184,7 +308,8 @@ def main() -> None:
         for k, v in med.items():
             base = med["JIT stock"] if k.startswith("JIT") else med["stock"]
             print(f"| {k} | {v:.3f} | {v / base:.2f} |")
-        print(f"\nfiles per checkpoint folder: stock {files['stock']}, bcp {files['bcp']}", flush=True)
+        print(f"\nfiles per checkpoint folder: stock {files['stock']}, bcp {files['bcp']}; bytes on disk (a hard link "
+              f"counted once): stock {size['stock'] / 2**20:.1f} MiB, bcp {size['bcp'] / 2**20:.1f} MiB", flush=True)
         figure("Trainer save stall, bcp async / stock Trainer save (1 process, Llama-shaped)", med["bcp async"],
                med["stock"], "<= 0.1", peer_name="stock Trainer._save_checkpoint",
                note=f"{nbytes / 2**20:.0f} MiB; files {files['bcp']} vs {files['stock']}; memcpy of the state "
@@ -194,6 +319,13 @@ def main() -> None:
         figure("Trainer JIT checkpoint (SIGTERM), bcp (committed, durable) / stock + fsync", med["JIT bcp"],
                med["JIT stock+fsync"], "", peer_name="stock JIT checkpoint + fsync",
                note=f"stock JIT without fsync: {med['JIT stock']:.3f} s")
+        figure("Trainer checkpoint folder bytes on disk, bcp / stock (model.safetensors a link, issue 33)",
+               size["bcp"] / 2**20, size["stock"] / 2**20, "", unit="MiB", peer_name="stock checkpoint folder",
+               note="bcp also keeps both names of a tied weight; this model has none")
+        figure("from_pretrained(checkpoint folder), bcp / stock (issue 33)", med["from_pretrained bcp"],
+               med["from_pretrained stock"], "", peer_name="stock checkpoint folder", note="one load each, last round")
+        for shape in LORA_SHAPES:
+            lora_bench(root, layers, repeats, shape)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -187,14 +187,13 @@ class TrainerAttachment:
         sync = self._sync_reason is not None
         if sync:
             self._ckpt.wait()  # a pending async save commits first
-        if args.should_save:
-            _make_durable(output_dir, (folders.TRAINER_STATE,))  # before the commit point
         t0 = time.perf_counter()
         state = self._state(route, call)
         writes = route.collective or args.should_save
         if writes:
-            group = {} if route.collective else {"process_group": bcp.LOCAL,
-                                                  **views.save_kwargs(state, folders.subdir(output_dir), output_dir)}
+            group = {} if route.collective else {"process_group": bcp.LOCAL}
+            # before the commit point: the Trainer's files durable, the weights file linked (_views.py)
+            group.update(views.save_kwargs(state, route, folders.subdir(output_dir), output_dir, args.should_save))
             handle = self._ckpt.save(folders.subdir(output_dir), state, overwrite=True, step=int(tr.state.global_step),
                                      async_save=False if sync else self._async, **group, **self._storage)
             self.last_save = dict(handle.stats, returned_s=time.perf_counter() - t0)
@@ -417,23 +416,6 @@ def _custom_load_state_dict(model: Any) -> bool:
 
 def _world(trainer: Any) -> int:
     return int(trainer.args.world_size)
-
-
-def _make_durable(folder: str, names: tuple) -> None:
-    """fsync the Trainer's own files that a resume reads, and the folder, before the commit point."""
-    for name in names:
-        path = os.path.join(folder, name)
-        if os.path.isfile(path):
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def attach(trainer: Any, checkpointer: Optional["bcp.Checkpointer"] = None, *, async_save: Optional[bool] = None,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import sys
+import weakref
 from typing import Any, Dict, Iterable, Optional
 
 import bytecheckpoint as bcp
@@ -32,7 +33,7 @@ def model_of(trainer: Any, route: routes.Route) -> Optional[Any]:
         return None  # a PeftModel exists only once peft was imported
     from peft import PeftModel
 
-    model = trainer.accelerator.unwrap_model(trainer.model, keep_torch_compile=False)
+    model = getattr(trainer.model, "_orig_mod", trainer.model)  # this route's trainer.model is not DDP-wrapped
     return model if isinstance(model, PeftModel) else None
 
 
@@ -55,8 +56,7 @@ def views(model: Any, saved_keys: Optional[Iterable[str]] = None) -> Dict[str, "
         if saved is not None and name not in saved_adapters(saved):
             continue  # an adapter added after that checkpoint: left as it is (stock loads the active one only)
         if saved is None:
-            def state_dict(n=name):
-                return get_peft_model_state_dict(model, adapter_name=n)
+            state_dict = _saving_state_dict(model, name)
         else:
             plain = get_peft_model_state_dict(model, adapter_name=name, save_embedding_layers=False)
             prefix = f"{KEY}/{name}/"
@@ -66,6 +66,52 @@ def views(model: Any, saved_keys: Optional[Iterable[str]] = None) -> Dict[str, "
                 return get_peft_model_state_dict(model, adapter_name=n, save_embedding_layers=True) if e else p
         out[name] = bcp.ModuleView(model, state_dict, lambda sd, n=name: _set(model, sd, n))
     return out
+
+
+_SAVING: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # model -> {adapter: _AdapterStateDict}
+
+
+def _saving_state_dict(model: Any, adapter: str) -> "_AdapterStateDict":
+    return _SAVING.setdefault(model, {}).setdefault(adapter, _AdapterStateDict(model, adapter))
+
+
+class _AdapterStateDict:
+    """get_peft_model_state_dict(model, adapter_name=adapter), as each save calls it (save_pretrained
+    does), computed again only when it could differ. Its tensors are the model's own state dict
+    tensors under other names, and it walks every module several times (on a 24-layer model about as
+    long as the rest of an adapter save's stall). So the names it chose are kept, with a fingerprint
+    of what they were chosen from: every state dict name, storage, shape and dtype, and the adapters'
+    configs. A save whose fingerprint is the same takes the same names from model.state_dict(); any
+    change (a resized embedding, another adapter, a replaced tensor) computes it again. Where a
+    returned tensor is not one of the model's own (a transformed value), nothing is kept."""
+
+    def __init__(self, model: Any, adapter: str) -> None:
+        self.model, self.adapter = model, adapter
+        self.fingerprint: Optional[tuple] = None
+        self.names: Dict[str, str] = {}
+
+    def __call__(self) -> Dict[str, Any]:
+        from peft.utils import get_peft_model_state_dict
+
+        full = self.model.state_dict()
+        fingerprint = (tuple((n, id(c)) for n, c in self.model.peft_config.items()),
+                       tuple((k, _identity(v)) for k, v in full.items()))
+        if fingerprint == self.fingerprint:
+            return {k: full[name] for k, name in self.names.items()}
+        out = get_peft_model_state_dict(self.model, adapter_name=self.adapter)
+        by_identity = {_identity(v): k for k, v in full.items()}
+        names = {k: by_identity.get(_identity(v)) for k, v in out.items()}
+        ok = all(n is not None for n in names.values())
+        self.fingerprint, self.names = (fingerprint, names) if ok else (None, {})
+        return out
+
+
+def _identity(v: Any) -> tuple:
+    import torch
+
+    if not isinstance(v, torch.Tensor):
+        return ("object", id(v))
+    return (v.data_ptr(), tuple(v.shape), v.dtype, v.device, v.storage_offset())
 
 
 def saved_adapters(tensor_keys: Iterable[str]) -> set:
@@ -85,14 +131,24 @@ def _set(model: Any, state_dict: Dict[str, Any], adapter: str) -> None:
 
 def write_files(model: Any, output_dir: str) -> None:
     """README.md and, per adapter, adapter_config.json, as PeftModel.save_pretrained writes them (the
-    stock Trainer's files of a PEFT model), by save_pretrained itself given no weights; the weights
-    file it then writes (empty) is removed: adapter_model.safetensors is the adapter's safetensors
-    pack, linked in before the checkpoint commits (_views.py)."""
-    weights = [os.path.join(folder_of(output_dir, name), WEIGHTS_NAME) for name in model.peft_config]
-    for path in weights:  # a link into an earlier save of this folder: save_file would write through it
-        if os.path.lexists(path):
-            os.remove(path)
-    model.save_pretrained(output_dir, is_main_process=True, state_dict={}, save_embedding_layers=False)
-    for path in weights:
-        if os.path.lexists(path):
-            os.remove(path)
+    stock Trainer's files of a PEFT model; peft_model.py save_pretrained: the model card, then per
+    adapter its config with base_model_name_or_path filled in, inference_mode=True, and the base
+    model's class when there is no task_type). adapter_model.safetensors is the adapter's
+    safetensors pack, linked in before the checkpoint commits (_views.py)."""
+    model.create_or_update_model_card(output_dir)
+    for name, config in model.peft_config.items():
+        folder = folder_of(output_dir, name)
+        os.makedirs(folder, exist_ok=True)
+        stale = os.path.join(folder, WEIGHTS_NAME)  # a link into an earlier save of this folder
+        if os.path.lexists(stale):
+            os.remove(stale)
+        base = model.base_model if config.is_prompt_learning else model.base_model.model
+        if config.base_model_name_or_path is None:
+            config.base_model_name_or_path = base.__dict__.get("name_or_path", None) or None
+        auto = None if config.task_type is not None else {"base_model_class": type(base).__name__,
+                                                          "parent_library": type(base).__module__}
+        inference_mode, config.inference_mode = config.inference_mode, True
+        try:
+            config.save_pretrained(folder, auto_mapping_dict=auto)
+        finally:
+            config.inference_mode = inference_mode

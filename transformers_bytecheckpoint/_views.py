@@ -14,24 +14,30 @@ Sharded routes (FSDP, DeepSpeed) write no weights file (docs/transformers.md).
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, Dict
 
 from bytecheckpoint.tools.safetensors import SINGLE_FILE, link_views
 
+from . import _folders as folders
 from . import _peft as peft
+from . import _routes as routes
 
 logger = logging.getLogger(__name__)
 
 
-def save_kwargs(state: Dict[str, Any], checkpoint_dir: str, output_dir: str) -> Dict[str, Any]:
-    """`safetensors=` and `before_commit=` for Checkpointer.save of `state` (a REPLICATED save)."""
-    if peft.KEY in state:
+def save_kwargs(state: Dict[str, Any], route: Any, checkpoint_dir: str, output_dir: str, should_save: bool
+                ) -> Dict[str, Any]:
+    """`safetensors=` (REPLICATED route) and `before_commit=` for Checkpointer.save of `state`. Before
+    the commit point, on the coordinator (the writing process): the Trainer's trainer_state.json and
+    the folder are made durable (an async save does it in the background, not in the stall), and
+    the weights file is linked."""
+    targets = {}
+    if route is routes.REPLICATED and peft.KEY in state:
         targets = {f"{peft.KEY}/{name}": (peft.folder_of(output_dir, name), peft.WEIGHTS_NAME)
                    for name in state[peft.KEY]}
-    elif "model" in state:
+    elif route is routes.REPLICATED and "model" in state:
         targets = {"model": (output_dir, SINGLE_FILE)}
-    else:
-        return {}
 
     def before_commit(md: Any) -> None:
         for group, (folder, name) in targets.items():
@@ -40,5 +46,23 @@ def save_kwargs(state: Dict[str, Any], checkpoint_dir: str, output_dir: str) -> 
                                "holds (dtype), so it opens with bytecheckpoint only", folder, name)
                 continue
             link_views(checkpoint_dir, md, group, folder, weights_name=name)
+        if should_save:
+            make_durable(output_dir, (folders.TRAINER_STATE,))
     return {"safetensors": list(targets), "before_commit": before_commit}
 
+
+def make_durable(folder: str, names: tuple) -> None:
+    """fsync the Trainer's own files that a resume reads, and the folder, before the commit point."""
+    for name in names:
+        path = os.path.join(folder, name)
+        if os.path.isfile(path):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -77,8 +77,9 @@ def test_switch_to_the_adapter_mid_way_from_a_stock_checkpoint(stock, tmp_path: 
     ours = run(tmp_path, attached="async", resume=True)
     same(ours, resumed, "stock checkpoint resumed with the adapter")
     assert "model.safetensors" in os.listdir(tmp_path / "checkpoint-4")
-    assert set(os.listdir(tmp_path / "checkpoint-6")) >= {"bytecheckpoint", "trainer_state.json"}
-    assert "model.safetensors" not in os.listdir(tmp_path / "checkpoint-6")
+    assert set(os.listdir(tmp_path / "checkpoint-6")) >= {"bytecheckpoint", "trainer_state.json", "model.safetensors"}
+    assert "optimizer.pt" not in os.listdir(tmp_path / "checkpoint-6")
+    assert os.stat(tmp_path / "checkpoint-6" / "model.safetensors").st_nlink == 2  # the checkpoint's own pack
 
 
 def test_resume_true_without_committed_checkpoint_says_so(tmp_path: Path) -> None:
@@ -369,3 +370,29 @@ def test_torch_compile_checkpoints_resume_into_plain_runs_and_back(tmp_path: Pat
     run(tmp_path / "p", attached="sync")
     got = run(tmp_path / "p", attached="sync", resume=str(tmp_path / "p" / "checkpoint-4"), **compiled)
     assert got["step"] == 6 and got["losses"][-2:] == want["losses"][-2:]  # plain -> compiled
+
+
+def test_adapter_state_dict_is_peft_s_own_and_follows_changes_to_the_model() -> None:
+    """What an adapter save writes is get_peft_model_state_dict's dict (names and the model's own
+    tensors), also when it is kept between saves, and it is computed again when the model changes."""
+    pytest.importorskip("peft")
+    from peft.utils import get_peft_model_state_dict
+    from tiny import tiny_lora
+    from transformers_bytecheckpoint._peft import _saving_state_dict
+
+    model = tiny_lora()
+    view = _saving_state_dict(model, "default")
+
+    def check():
+        got, want = view(), get_peft_model_state_dict(model)
+        assert got.keys() == want.keys()
+        assert all(got[k].data_ptr() == want[k].data_ptr() and torch.equal(got[k], want[k]) for k in want)
+        return got
+    first = check()
+    assert check().keys() == first.keys() and view.fingerprint is not None  # kept
+    lora = model.base_model.model.transformer.h[0].attn.c_attn.lora_A
+    lora["default"].weight = torch.nn.Parameter(torch.ones_like(lora["default"].weight))  # a replaced tensor
+    assert torch.equal(check()["base_model.model.transformer.h.0.attn.c_attn.lora_A.weight"],
+                       torch.ones_like(lora["default"].weight))
+    model.resize_token_embeddings(80)  # another vocabulary: peft then saves the embeddings too ("auto")
+    check()
