@@ -101,7 +101,7 @@ def cmd_inspect(args) -> int:
     print("\nlargest tensors:")
     big = sorted(info.tensors, key=lambda t: (-t.nbytes, natural_key(t.name)))[:LARGEST]
     _print_table([("  " + t.name, t.dtype, "x".join(map(str, t.shape)) or "scalar", _human(t.nbytes))
-                  for t in big], width)
+                  for t in big])
     print(f"\n{len(info.tensors)} tensors: --all lists every one, --group PREFIX one group, --json all of it")
     return 0
 

@@ -65,6 +65,19 @@ def test_sync_save_record_and_stats_text_json_trace_plot(tmp_path, capsys, monke
     assert code == 2 and "--plot needs matplotlib" in err and "--trace FILE needs nothing" in err
 
 
+def test_stats_of_several_checkpoints_one_line_each(tmp_path, capsys):
+    for name in ("a", "b"):
+        bcp.save(tmp_path / name, _state())
+    code, out, err = run_cli(capsys, "stats", tmp_path / "a", tmp_path / "b", tmp_path / "none")
+    lines = out.splitlines()
+    assert code == 0 and len(lines) == 2 and all("save max " in x and "stragglers: none" in x for x in lines)
+    assert "none" in err and "not a bytecheckpoint checkpoint" in err
+    code, out, _ = run_cli(capsys, "stats", tmp_path / "a", tmp_path / "b", "--json")
+    assert [r["path"] for r in json.loads(out)] == [str(tmp_path / "a"), str(tmp_path / "b")]
+    code, _, err = run_cli(capsys, "stats", tmp_path / "a", tmp_path / "b", "--trace", tmp_path / "t.json")
+    assert code == 2 and "--trace and --plot take one PATH" in err
+
+
 def test_async_save_stats_complete_once_done(tmp_path):
     with bcp.Checkpointer(async_save=True) as ck:
         ck.save(tmp_path / "a", _state())        # a second save copies early (the cached plan)
