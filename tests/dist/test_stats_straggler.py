@@ -37,8 +37,7 @@ def test_stats_names_the_slow_rank_and_phase(tmp_path, capsys):
         slow = rep["stragglers"][0]
         assert slow["phase_s"] >= DELAY_S and slow["others_s"] < DELAY_S / 3, slow
         # the others spent rank 1's time waiting for it (a wait phase: never judged)
-        waits = rep["per_rank"]["0"]
-        assert waits.get("commit.wait", 0) >= DELAY_S * 0.8 or name == "async" and waits["commit.wait"] > 1.0, waits
+        assert rep["per_rank"]["0"]["commit.wait"] >= DELAY_S * 0.8, rep["per_rank"]["0"]
     code, out, _ = stats(capsys, "stats", tmp_path / "sync", "--load", "--json")
     rep = json.loads(out)
     assert code == 0 and rep["op"] == "load" and rep["ranks"] == [0, 1, 2] and not rep["stale"], rep

@@ -97,7 +97,8 @@ def test_async_save_stats_complete_once_done(tmp_path):
 
 def test_load_record_is_replaced_by_the_next_load(tmp_path, capsys):
     path = tmp_path / "ck"
-    bcp.save(path, _state())
+    h = bcp.save(path, _state())
+    assert bcp.last_save_stats is h.stats and h.stats.done
     with bcp.Checkpointer() as ck:
         ck.load(path, _state())
         stats = ck.last_load_stats
@@ -171,7 +172,10 @@ def test_delete_keep_last_and_export_with_records(tmp_path):
         bcp.load(run / f"step_{step}", _state())
     report = bcp.keep_last(run, 1)
     assert len(report.deleted) == 2 and sorted(os.listdir(run)) == ["step_2"]
-    assert bcp.verify(run / "step_2").ok
+    assert bcp.verify(run / "step_2").ok and _records(run / "step_2", "load")
+    from bytecheckpoint.tools.export import export_safetensors
+    result = export_safetensors(str(run / "step_2"), str(tmp_path / "hf"), key="model")
+    assert result.tensors == 4
     bcp.delete(run / "step_2")
     assert not (run / "step_2").exists()
 
