@@ -3,12 +3,14 @@ state/fsdp1.py), an optimizer keyed by parameter name through the module in the 
 its parameters, so optimizer state reshards with the model. Registered by state/registry.py.
 
 torch.compile: a compiled module (or submodule) spells its state dict names with `_orig_mod.`; they
-are saved without it (the module's own names, as DCP names the optimizer state and as the module
-has when not compiled), and a load maps the live names onto the saved ones either way, so compiled
-and plain modules load each other's checkpoints, and checkpoints saved with `_orig_mod.` still load."""
+are saved without the wrappers' `_orig_mod` (the module's own names, as DCP names the optimizer state
+and as the module has when not compiled; a real submodule named `_orig_mod` keeps its name), and a
+load maps the live names onto the saved ones either way, so compiled and plain modules load each
+other's checkpoints, and checkpoints saved with `_orig_mod.` still load."""
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, Mapping, Optional
+import sys
+from typing import Any, Dict, Iterable, Mapping, Optional, Set, Tuple
 
 import torch
 from torch import nn
@@ -21,77 +23,128 @@ from .flatten import Handler, ModuleView, find_subtree, join
 COMPILED_PREFIX = "_orig_mod"   # torch._dynamo's OptimizedModule holds the module under this attribute
 
 
-def plain_name(name: str) -> str:
-    """A state dict name without torch.compile's `_orig_mod` components (DCP's rule for FQNs)."""
-    if COMPILED_PREFIX not in name:
-        return name
-    return ".".join(p for p in name.split(".") if p != COMPILED_PREFIX)
+def compiled_paths(module: nn.Module) -> Set[str]:
+    """Module paths ("" for `module` itself) of the torch.compile wrappers (OptimizedModule) in
+    `module`'s tree. None can exist before torch._dynamo was imported: then nothing is walked."""
+    wrapper = getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", None)
+    if wrapper is None:
+        return set()
+    return {name for name, m in module.named_modules(remove_duplicate=False) if isinstance(m, wrapper)}
 
 
-def plain_state_dict(sd: Mapping[str, Any], where: str) -> Dict[str, Any]:
-    """`sd` under plain names; two names that become one are refused."""
-    out: Dict[str, Any] = {}
-    spelled: Dict[str, str] = {}
-    for k, v in sd.items():
-        p = plain_name(k) if isinstance(k, str) else k
-        if p in out:
-            raise StateMismatchError(
-                f"{where}: state dict names {spelled[p]!r} and {k!r} are the same without torch.compile's "
-                f"'_orig_mod.' ({p!r}); rename one of the modules")
-        out[p], spelled[p] = v, k
+def own_names(names: Iterable[Any], module: nn.Module) -> Dict[Any, Any]:
+    """name -> the module's own name: the `_orig_mod` components that are a torch.compile wrapper's
+    (DCP's rule for FQNs) left out; a real submodule that happens to be called `_orig_mod` keeps its
+    name. Names without `_orig_mod` cost a substring test (no walk of the module tree)."""
+    names = list(names)
+    spelled = [k for k in names if isinstance(k, str) and COMPILED_PREFIX in k]
+    wrappers = compiled_paths(module) if spelled else set()
+    out = {k: k for k in names}
+    for k in spelled:
+        parts = k.split(".")
+        out[k] = ".".join(p for i, p in enumerate(parts)
+                          if not (p == COMPILED_PREFIX and ".".join(parts[:i]) in wrappers))
     return out
 
 
-def saved_spelling(live: Iterable[str], saved_node: Any) -> Dict[str, str]:
-    """live name -> the name to load it from: its plain name, or the checkpoint's own spelling of
-    that plain name (a checkpoint saved with '_orig_mod.' names, before they were stripped)."""
-    saved: Dict[str, str] = {}
-    if isinstance(saved_node, dict) and len(saved_node) == 1 and "dict" in saved_node:
-        for k, _ in saved_node["dict"]:
-            name = codec.decode(k)
-            if isinstance(name, str):
-                saved.setdefault(plain_name(name), name)
+def saved_own_names(names: Iterable[str]) -> Dict[str, str]:
+    """name -> own name for names read from a checkpoint, where the module is not at hand (export,
+    and checkpoints saved with the wrappers' `_orig_mod.`, before they were left out): an `_orig_mod`
+    component is a wrapper's when it is the only thing below its prefix (an OptimizedModule holds
+    nothing but `_orig_mod`); beside siblings it is a submodule's real name."""
+    names = list(names)
+    below: Dict[Tuple[str, ...], Set[str]] = {}
+    for k in names:
+        if COMPILED_PREFIX in k:
+            parts = tuple(k.split("."))
+            for i in range(len(parts)):
+                below.setdefault(parts[:i], set())
+    if not below:
+        return {k: k for k in names}
+    for k in names:
+        parts = tuple(k.split("."))
+        for i in range(len(parts)):
+            if parts[:i] in below:
+                below[parts[:i]].add(parts[i])
     out = {}
-    for k in live:
-        p = plain_name(k) if isinstance(k, str) else k
-        out[k] = p if p in saved and saved[p] == p else saved.get(p, p)
+    for k in names:
+        parts = k.split(".")
+        out[k] = ".".join(p for i, p in enumerate(parts)
+                          if not (p == COMPILED_PREFIX and below.get(tuple(parts[:i])) == {COMPILED_PREFIX}))
     return out
+
+
+def own_state_dict(sd: Mapping[str, Any], module: nn.Module, where: str) -> Dict[str, Any]:
+    """`sd` (`module`'s state dict, or names below it) under the module's own names (own_names)."""
+    if not any(isinstance(k, str) and COMPILED_PREFIX in k for k in sd):
+        return dict(sd)  # the common case: one substring test per name
+    names = own_names(sd, module)
+    out = {names[k]: v for k, v in sd.items()}
+    if len(out) != len(sd):  # not for a real module's names: kept here as the guard of what is saved
+        seen: Dict[Any, Any] = {}
+        for k in sd:
+            if names[k] in seen:
+                raise StateMismatchError(f"{where}: state dict names {seen[names[k]]!r} and {k!r} are both "
+                                         f"{names[k]!r} without torch.compile's '_orig_mod.'; rename one of them")
+            seen[names[k]] = k
+    return out
+
+
+def saved_spelling(own: Iterable[Any], saved_node: Any) -> Dict[Any, Any]:
+    """own name -> the name to load it from: the same name where the checkpoint has it, else the
+    checkpoint's spelling of it with torch.compile's `_orig_mod.` (saved before they were left out)."""
+    saved = set()
+    if isinstance(saved_node, dict) and len(saved_node) == 1 and "dict" in saved_node:
+        saved = {n for n in (codec.decode(k) for k, _ in saved_node["dict"]) if isinstance(n, str)}
+    own = list(own)
+    old: Dict[str, str] = {}
+    if any(k not in saved for k in own) and any(COMPILED_PREFIX in n for n in saved):
+        for name, plain in saved_own_names(sorted(saved)).items():
+            if plain not in saved:
+                old[plain] = name
+    return {k: k if k in saved else old.get(k, k) for k in own}
 
 
 class ModuleHandler(Handler):
     def save(self, value, key, walk):
         if fsdp1.holds_fsdp1(value):
             return fsdp1.save_module(value, key, walk)
-        return walk.save(plain_state_dict(value.state_dict(), f"module {key!r}"), key)
+        return walk.save(own_state_dict(value.state_dict(), value, f"module {key!r}"), key)
 
     def load(self, value, key, walk, assign):
         if fsdp1.holds_fsdp1(value):
             return fsdp1.load_module(value, key, walk)
-        load_by_plain_names(value.state_dict(), value.load_state_dict, key, walk, f"module {key!r}")
+        load_by_own_names(value.state_dict(), value, value.load_state_dict, key, walk, f"module {key!r}")
 
 
 class ModuleViewHandler(Handler):
-    """bcp.ModuleView: its state dict, saved and loaded in place like a module's (plain names)."""
+    """bcp.ModuleView: its state dict, saved and loaded in place like a module's (own names)."""
 
     def save(self, value: ModuleView, key, walk):
-        return walk.save(plain_state_dict(value.state_dict(), f"module view {key!r}"), key)
+        return walk.save(own_state_dict(value.state_dict(), value.module, f"module view {key!r}"), key)
 
     def load(self, value: ModuleView, key, walk, assign):
-        load_by_plain_names(dict(value.state_dict()), value.load_state_dict, key, walk, f"module view {key!r}")
+        load_by_own_names(dict(value.state_dict()), value.module, value.load_state_dict, key, walk,
+                          f"module view {key!r}")
 
 
-def load_by_plain_names(live: Mapping[str, Any], load_state_dict, key: str, walk, where: str) -> None:
-    """Load `live` (a state dict whose tensors are loaded in place) from the names saved at `key`,
-    then `load_state_dict(live)` with the values the load assigned (plain values, loaded whole)."""
-    spelling = saved_spelling(live, find_subtree(walk.saved, key))
-    template: Dict[str, Any] = {}
+def load_by_own_names(live: Mapping[str, Any], module: nn.Module, load_state_dict, key: str, walk, where: str
+                      ) -> None:
+    """Load `live` (a state dict of `module` whose tensors are loaded in place) from the names saved
+    at `key`, then `load_state_dict(live)` with the values the load assigned (plain values, loaded
+    whole)."""
+    own = own_names(live, module)
+    spelling = saved_spelling(own.values(), find_subtree(walk.saved, key))
+    template: Dict[Any, Any] = {}
+    saved_as: Dict[Any, Any] = {}
     for k, v in live.items():
-        if spelling[k] in template:
-            raise StateMismatchError(f"{where}: state dict names {k!r} and another one are the same without "
-                                     f"torch.compile's '_orig_mod.' ({spelling[k]!r}); rename one of the modules")
-        template[spelling[k]] = v
+        name = spelling[own[k]]
+        if name in template:
+            raise StateMismatchError(f"{where}: state dict names {saved_as[name]!r} and {k!r} both load from "
+                                     f"{name!r} (the same without torch.compile's '_orig_mod.'); rename one of them")
+        template[name], saved_as[name] = v, k
     walk.load(template, key, lambda v: None)
-    walk.flat.finalizers.append(lambda: load_state_dict({k: template[spelling[k]] for k in live}))
+    walk.flat.finalizers.append(lambda: load_state_dict({k: template[spelling[own[k]]] for k in live}))
 
 
 class OptimizerHandler(Handler):

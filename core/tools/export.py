@@ -30,6 +30,7 @@ import torch
 from ..common import dtypes
 from ..common.errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, StateMismatchError
 from ..format.metadata import Metadata, TensorMeta
+from ..state.modules import saved_own_names
 from .safetensors import (  # noqa: F401 - re-exported (cli, users)
     DEFAULT_MAX_SHARD_SIZE,
     FILE_PATTERN,
@@ -63,14 +64,19 @@ def _children(node: Any) -> List[Tuple[str, Any]]:
 def _tensor_names(node: Any, name: str = "") -> List[Tuple[str, str]]:
     """(state_dict name, checkpoint key) for every tensor under a structure node, in saved order.
     A module's state dict is one level of names; deeper nesting is joined with '.'. Names are the
-    module's own: torch.compile's '_orig_mod.' (in checkpoints saved before it was stripped, or
-    in a framework's state dict of a compiled submodule) is left out."""
+    module's own: a torch.compile wrapper's '_orig_mod.' (in checkpoints saved before it was left
+    out, or in a framework's state dict of a compiled submodule) is left out (state/modules.py)."""
+    found = _saved_names(node, name)
+    own = saved_own_names(n for n, _ in found)
+    return [(own[n], k) for n, k in found]
+
+
+def _saved_names(node: Any, name: str) -> List[Tuple[str, str]]:
     if isinstance(node, dict) and len(node) == 1 and "tensor" in node:
-        from ..state.modules import plain_name
-        return [(plain_name(name), node["tensor"])]
+        return [(name, node["tensor"])]
     out: List[Tuple[str, str]] = []
     for k, child in _children(node):
-        out += _tensor_names(child, f"{name}.{k}" if name else k)
+        out += _saved_names(child, f"{name}.{k}" if name else k)
     return out
 
 
