@@ -191,7 +191,11 @@ def _link_or_copy(src: str, dst: str) -> None:
     tmp = f"{dst}.{os.getpid()}.tmp"
     if os.path.lexists(tmp):
         os.remove(tmp)
-    os.chmod(src, 0o444)
+    try:
+        os.chmod(src, 0o444)
+    except OSError as exc:  # a file system without modes (some FUSE / SMB mounts): link it all the same
+        if exc.errno not in _LINK_ERRORS + (errno.EROFS,):
+            raise
     try:
         os.link(src, tmp)
     except OSError as exc:

@@ -101,9 +101,34 @@ def test_link_views_replaces_its_own_family_and_leaves_other_files(tmp_path):
                                           "training_args.bin"]
     assert (folder / "training_args.bin").read_text() == "old"
     # a second save of the same folder replaces the link (the old pack is not written through)
-    old = (folder / "model.safetensors").read_bytes()
+    os.link(folder / "model.safetensors", tmp_path / "old_pack")  # keeps the first save's pack after its removal
     _save(tmp_path / "ck", {"model": {"w": torch.zeros(3)}}, overwrite=True)
-    assert torch.equal(load_file(str(folder / "model.safetensors"))["w"], torch.zeros(3)) and old != b""
+    assert torch.equal(load_file(str(folder / "model.safetensors"))["w"], torch.zeros(3))
+    assert torch.equal(load_file(str(tmp_path / "old_pack"))["w"], torch.ones(3))
+
+
+@pytest.mark.parametrize("refused", ["link", "chmod"])
+def test_link_views_where_the_file_system_refuses_links_or_modes(tmp_path, monkeypatch, refused):
+    """No hard links (another device, a file system without them): the pack is copied; no file modes
+    (some FUSE / SMB mounts refuse chmod): linked all the same. The save commits either way."""
+    import errno
+
+    real = getattr(os, refused)
+
+    def refuse(src, *args, **kwargs):  # only for the packs (the engine's own commit links its metadata.json)
+        if not str(src).endswith(".safetensors"):
+            return real(src, *args, **kwargs)
+        raise OSError(errno.EXDEV if refused == "link" else errno.EPERM, f"{refused} refused")
+    monkeypatch.setattr(os, refused, refuse)
+    model = {"w": torch.randn(5, 3), "b": torch.randn(3)}
+    seen = _save(tmp_path / "ck", {"model": model})
+    assert seen["names"] == ["model.safetensors"] and bcp.is_checkpoint(tmp_path / "ck")
+    (index,) = seen["md"].safetensors["model"]
+    pack = tmp_path / "ck" / seen["md"].packs[index]
+    assert os.path.samefile(tmp_path / "hf" / "model.safetensors", pack) == (refused != "link")
+    assert (tmp_path / "hf" / "model.safetensors").read_bytes() == pack.read_bytes()
+    got = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert got.keys() == model.keys() and all(torch.equal(got[k], v) for k, v in model.items())
 
 
 def _manifest(world, shapes):
