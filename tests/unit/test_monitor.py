@@ -126,9 +126,43 @@ def test_one_slow_writer_among_four_is_named_with_its_phase():
     assert "STRAGGLER rank 1 (h): write took 1.500 s vs 0.020 s" in render(rep)
 
 
+def test_wait_phases_are_never_judged():
+    # the shape of a real 4-rank sync save with rank 1 slow in write: the coordinator waits in
+    # commit.wait, ranks 2 and 3 in commit.outcome (2 of the 3 ranks that have it: far above rank 1)
+    def phases(r):
+        return {"write": 1.5 if r == 1 else 0.02,
+                **({"commit.wait": 1.5} if r == 0 else {"commit.outcome": 0.06 if r == 1 else 1.6})}
+    slow, rep = _slow({r: _rec(r, phases(r), total=1.7) for r in range(4)})
+    assert slow == [(1, "write")], rep.stragglers
+
+
 def test_two_ranks_compare_with_each_other():
     slow, _ = _slow({0: _rec(0, {"write": 0.02}), 1: _rec(1, {"write": 0.9})})
     assert slow == [(1, "write")]
+
+
+def test_leave_one_out_medians_match_the_definition_with_ties():
+    import random
+    import statistics
+
+    from bytecheckpoint.monitor.report import loo_medians
+    rng = random.Random(0)
+    for n in (1, 2, 3, 4, 5, 8, 33):
+        for _ in range(20):
+            values = {r: float(rng.choice([0.0, 0.5, 1.0, 2.0, rng.random()])) for r in range(n)}
+            want = {r: statistics.median([v for q, v in values.items() if q != r]) for r in values} if n > 1 else {}
+            assert loo_medians(values) == want, values
+
+
+def test_two_ranks_one_twice_the_other_is_judged_against_the_other_alone():
+    # a median over both ranks (0.75 s) would hide it: 1.0 < 1.5 x 0.75
+    slow, rep = _slow({0: _rec(0, {"write": 0.5}), 1: _rec(1, {"write": 1.0})})
+    assert slow == [(1, "write")] and rep.stragglers[0].others_s == 0.5
+
+
+def test_one_rank_or_all_equal_has_no_straggler():
+    assert _slow({0: _rec(0, {"write": 5.0})})[0] == []
+    assert _slow({r: _rec(r, {"write": 1.0, "walk": 0.0}) for r in range(5)})[0] == []
 
 
 @pytest.mark.parametrize("slow_s", [0.028, 0.06])   # 1.4x the others; 3x but under the 50 ms floor
