@@ -19,6 +19,8 @@ import sys
 import weakref
 from typing import Any, Dict, Iterable, Optional
 
+import torch
+
 import bytecheckpoint as bcp
 
 from . import _routes as routes
@@ -51,9 +53,10 @@ def views(model: Any, saved_keys: Optional[Iterable[str]] = None) -> Dict[str, "
     from peft.utils import get_peft_model_state_dict
 
     saved = None if saved_keys is None else set(saved_keys)
+    in_checkpoint = None if saved is None else saved_adapters(saved)
     out = {}
     for name in model.peft_config:
-        if saved is not None and name not in saved_adapters(saved):
+        if in_checkpoint is not None and name not in in_checkpoint:
             continue  # an adapter added after that checkpoint: left as it is (stock loads the active one only)
         if saved is None:
             state_dict = _saving_state_dict(model, name)
@@ -107,8 +110,6 @@ class _AdapterStateDict:
 
 
 def _identity(v: Any) -> tuple:
-    import torch
-
     if not isinstance(v, torch.Tensor):
         return ("object", id(v))
     return (v.data_ptr(), tuple(v.shape), v.dtype, v.device, v.storage_offset())

@@ -40,28 +40,27 @@ def save_kwargs(state: Dict[str, Any], route: Any, checkpoint_dir: str, output_d
         targets = {"model": (output_dir, SINGLE_FILE)}
 
     def before_commit(md: Any) -> None:
+        if should_save:  # the Trainer's file a resume reads (its folder entry: with the folder below)
+            _fsync(os.path.join(output_dir, folders.TRAINER_STATE))
+        synced = set()  # link_views fsyncs the folder it links into
         for group, (folder, name) in targets.items():
             if group not in md.safetensors:
                 logger.warning("bytecheckpoint: %s has no %s: some of its tensors are not ones a safetensors file "
                                "holds (dtype), so it opens with bytecheckpoint only", folder, name)
                 continue
             link_views(checkpoint_dir, md, group, folder, weights_name=name)
-        if should_save:
-            make_durable(output_dir, (folders.TRAINER_STATE,))
+            synced.add(folder)
+        if should_save and output_dir not in synced:
+            _fsync(output_dir)
     return {"safetensors": list(targets), "before_commit": before_commit}
 
 
-def make_durable(folder: str, names: tuple) -> None:
-    """fsync the Trainer's own files that a resume reads, and the folder, before the commit point."""
-    for name in names:
-        path = os.path.join(folder, name)
-        if os.path.isfile(path):
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-    fd = os.open(folder, os.O_RDONLY)
+def _fsync(path: str) -> None:
+    """fsync a file or a folder (a file the Trainer did not write is nothing to keep)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return
     try:
         os.fsync(fd)
     finally:
