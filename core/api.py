@@ -15,14 +15,17 @@ from .pipeline.handles import SaveHandle
 def save(path, state: Dict[str, Any], *, async_save: Optional[bool] = None, process_group=None,
          overwrite: bool = False, storage_options: Optional[Mapping[str, Any]] = None,
          step: Optional[int] = None, safetensors: Sequence[str] = (),
-         before_commit: Optional[Callable[[Any], None]] = None) -> SaveHandle:
+         before_commit: Optional[Callable[[Any], None]] = None, optimizers: Sequence[Any] = (),
+         async_staging: Optional[bool] = None) -> SaveHandle:
     """Save `state` to `path` from every rank of `process_group` (collective). async_save None:
     the default engine's setting (BCP_ASYNC_SAVE, else synchronous). step: the training step,
     recorded in the metadata; `latest` orders checkpoints by it. safetensors, before_commit:
-    see Checkpointer.save (key paths written as safetensors files; docs/format.md, format 6)."""
+    see Checkpointer.save (key paths written as safetensors files; docs/format.md, format 6).
+    async_staging, optimizers: see Checkpointer.save (docs/async_staging.md)."""
     return default_checkpointer().save(path, state, overwrite=overwrite, async_save=async_save,
                                        process_group=process_group, storage_options=storage_options, step=step,
-                                       safetensors=safetensors, before_commit=before_commit)
+                                       safetensors=safetensors, before_commit=before_commit, optimizers=optimizers,
+                                       async_staging=async_staging)
 
 
 def load(path, state: Dict[str, Any], *, process_group=None, strict: bool = True,

@@ -28,7 +28,7 @@ from .dist import zero_redundancy
 from .dist.comm import LOCAL, Comm
 from .format.metadata import METADATA_FILE, Metadata
 from .monitor import OFF, AsideWrites, Recorder, SaveStats, StatsReport, new_op_id, recorder
-from .pipeline import device_reads
+from .pipeline import device_reads, gate
 from .pipeline import load as loader
 from .pipeline import save as saving
 from .pipeline.handles import PendingSaves, SaveHandle
@@ -92,6 +92,7 @@ class Checkpointer:
         self._aside = AsideWrites()  # stats records still being put (object stores); settled by wait()
         self.fault_rules = faults.Rules(fault_rules)  # test-only storage faults (storage/faults.py)
         self._pending = PendingSaves()
+        self._fence = gate.StepFence(self.options.timeout_s)  # async staging: steps held for pending copies
         self._runner = BackgroundRunner()
         self._plans = PlanCache()
         self._pool: Optional[StagingPool] = None
@@ -126,7 +127,8 @@ class Checkpointer:
     def save(self, path, state: Dict[str, Any], *, overwrite: bool = False, async_save: Optional[bool] = None,
              process_group: Any = _UNSET, storage_options: Any = _UNSET, tier: str = "persistent",
              step: Optional[int] = None, safetensors: Sequence[str] = (),
-             before_commit: Optional[Callable[[Metadata], None]] = None) -> SaveHandle:
+             before_commit: Optional[Callable[[Metadata], None]] = None, optimizers: Sequence[Any] = (),
+             async_staging: Optional[bool] = None) -> SaveHandle:
         """Save `state` to `path` from every rank of the process group (collective); see README.
         tier="local": `path` is a name (e.g. "step_1200") in the local tier (see LocalTier).
         step: the training step, recorded in the metadata; restore() orders checkpoints by it
@@ -134,7 +136,10 @@ class Checkpointer:
         safetensors: key paths (e.g. ["model"]) whose tensors, each held whole by a rank, are written as
         safetensors files inside the checkpoint (format 6; `bytecheckpoint.tools.safetensors.link_views`
         presents them to Hugging Face loaders without a copy). before_commit(metadata): called on the
-        coordinator after every rank's data is written, before the commit point (an error fails the save)."""
+        coordinator after every rank's data is written, before the commit point (an error fails the save).
+        async_staging (None: the option): an async save copies the optimizers' tensors behind the next
+        forward/backward, their step() waits for them (docs/async_staging.md); optimizers: those whose
+        tensors `state` holds without holding them (e.g. their state_dict()s)."""
         self._check_open()
         t0 = time.perf_counter()
         if step is not None and (not isinstance(step, int) or isinstance(step, bool)):
@@ -156,22 +161,26 @@ class Checkpointer:
         else:
             raise CheckpointError(f"save: tier must be 'persistent' or 'local', got {tier!r}")
         handle = saving.save(self._save_resources(), target, comm, state, background=background, path=str(path),
-                             info=info, t0=t0, rec=rec, safetensors=groups)
+                             info=info, t0=t0, rec=rec, safetensors=groups, optimizers=optimizers,
+                             async_staging=async_staging)
         self.last_save_stats = handle.stats
         return handle
 
-    def warm_up(self, state: Dict[str, Any], *, process_group: Any = _UNSET) -> int:
+    def warm_up(self, state: Dict[str, Any], *, process_group: Any = _UNSET, background: bool = False):
         """Prepare async saves of `state` ahead of the first one (collective, like save): plan it
         and allocate every staging slot's buffers (page-locked for GPU tensors), so the first
         async save stalls only for its copy, not for the allocation. Call it after the state
         exists in full (e.g. after the first optimizer step, which creates Adam's moments).
-        Nothing is copied or written; returns the bytes of staging memory allocated."""
+        Nothing is copied or written; returns the bytes of staging memory allocated. background=True:
+        plans here, allocates on a background thread; returns a Future of the bytes (the adapters')."""
         self._check_open()
-        return saving.warm_up(self._save_resources(), self._comm(process_group), state, self.options.timeout_s)
+        return saving.warm_up(self._save_resources(), self._comm(process_group), state, self.options.timeout_s,
+                              background)
 
     def _save_resources(self) -> saving.SaveResources:
         return saving.SaveResources(self.registry, self.options.fsdp1_route, self.options.threads, self._plans,
-                                    self._staging, self._runner, self._pending, lambda: self._closed)
+                                    self._staging, self._runner, self._pending, lambda: self._closed, self._fence,
+                                    self.options.async_staging, self.options.io_nice)
 
     def load(self, path, state: Dict[str, Any], *, strict: bool = True, allow_pickle: bool = False,
              process_group: Any = _UNSET, storage_options: Any = _UNSET, tier: str = "persistent") -> Dict[str, Any]:
@@ -188,6 +197,7 @@ class Checkpointer:
         if tier != "persistent":
             raise CheckpointError(f"load: tier must be 'persistent' or 'local', got {tier!r}")
         store = self.storage(path, storage_options)
+        self._fence.drain()  # pending async-staging copies land before the live tensors change
         md, stats = self._open_load(comm, store, path, arrive=True)
         shared = zero_redundancy.plan_shared if self._share(comm, store) else zero_redundancy.no_sharing
         with stats.finishing(store, md, self.options.record_stats == "all"), Workers(self.options.threads) as workers:
@@ -259,6 +269,7 @@ class Checkpointer:
 
     def _restore_local(self, comm: Comm, state: Optional[Dict[str, Any]], strict: bool, allow_pickle: bool,
                        choice: "restoring.LocalChoice") -> Restored:
+        self._fence.drain()
         restored, stats = restoring.restore_local(self._local_tier(), comm, state, choice, strict=strict,
                                                   allow_pickle=allow_pickle, threads=self.options.threads,
                                                   registry=self.registry, fsdp1_route=self.options.fsdp1_route,
@@ -352,6 +363,7 @@ class Checkpointer:
         try:
             self.wait()
         finally:
+            self._fence.close()
             self._pending.close()
             if self._pool is not None:
                 self._pool.free()

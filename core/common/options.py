@@ -23,6 +23,9 @@ ENV = {
     "BCP_FSDP1_ROUTE": "fsdp1_route",
     "BCP_PINNED_LOAD_BYTES": "pinned_load_bytes",
     "BCP_RECORD_STATS": "record_stats",
+    "BCP_ASYNC_STAGING": "async_staging",
+    "BCP_DIRECT_IO": "direct_io",
+    "BCP_IO_NICE": "io_nice",
     # older names, kept working
     "BCP_COLLECTIVE_TIMEOUT_S": "timeout_s",
     "BCP_COPY_CONCURRENCY": "io_threads",
@@ -58,6 +61,15 @@ class Options:
     # `bytecheckpoint stats`): "all"; "save" (loads record in memory and logs only, never write);
     # "off" (nothing recorded; docs/monitoring.md).
     record_stats: str = "all"
+    # An async save copies, before save() returns, only what no optimizer step changes; the tensors of
+    # the optimizers in the state are copied in the background and each optimizer's next step() waits
+    # for its own (docs/async_staging.md): "auto" (for CUDA tensors), True (CPU tensors too), False.
+    async_staging: Union[str, bool] = "auto"
+    # Pack files on local file systems written with O_DIRECT (no page-cache copy, same bytes):
+    # "auto" (where the file system takes it, else buffered), True (an error where refused), False.
+    direct_io: Union[str, bool] = "auto"
+    # Niceness of an async save's background threads once its copies landed (0: the caller's).
+    io_nice: int = 0
 
     def __post_init__(self) -> None:
         def bad(name: str, want: str) -> CheckpointError:
@@ -83,6 +95,11 @@ class Options:
             raise bad("fsdp1_route", '"flat" or "sharded_tensor"')
         if self.record_stats not in ("all", "save", "off"):
             raise bad("record_stats", '"all", "save" or "off"')
+        for name in ("async_staging", "direct_io"):
+            if getattr(self, name) not in ("auto", True, False):
+                raise bad(name, '"auto", True or False')
+        if not isinstance(self.io_nice, int) or isinstance(self.io_nice, bool) or not 0 <= self.io_nice <= 19:
+            raise bad("io_nice", "an integer from 0 (the caller's priority) to 19 (the lowest)")
 
     @property
     def threads(self) -> int:
@@ -117,6 +134,10 @@ def _parse(var: str, name: str, raw: str, typ: str) -> Any:
     try:
         if name == "zero_redundancy":
             return "auto" if text == "auto" else text not in ("0", "false", "no", "off")
+        if name in ("async_staging", "direct_io"):
+            if text not in _SWITCH:
+                raise ValueError(text)
+            return _SWITCH[text]
         if name == "async_save":
             return text in ("1", "true", "yes", "on")
         if name in ("local_io", "fsdp1_route"):
@@ -129,6 +150,10 @@ def _parse(var: str, name: str, raw: str, typ: str) -> Any:
         return int(text)
     except ValueError:
         raise CheckpointError(f"environment variable {var}={raw!r} is not a valid {name}") from None
+
+
+_SWITCH = {"auto": "auto", "1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False,
+           "off": False}
 
 
 def env_flag(var: str, default: bool, env: Optional[Mapping[str, str]] = None) -> bool:

@@ -10,17 +10,18 @@ The Checkpointer hands in its resources (SaveResources) and owns them.
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional, Protocol, Tuple
+from typing import Any, Callable, Dict, Optional, Protocol, Sequence, Tuple, Union
 
 from ..dist.comm import Comm
 from ..monitor import OFF, Recorder
 from ..planning.planner import LocalPlan, SavePlan
 from ..state.flatten import TypeRegistry
-from . import save_plan, stage, write
+from . import gate, save_plan, stage, write
 from .handles import PendingSaves, SaveHandle
 from .staging import StagingPool
-from .workers import BackgroundRunner, Workers
+from .workers import BackgroundRunner, Workers, lower_priority
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,9 @@ class SaveResources:
     runner: BackgroundRunner
     pending: PendingSaves
     closed: Callable[[], bool]
+    fence: Optional[gate.StepFence] = None  # async staging's (None: never deferred)
+    async_staging: Any = "auto"             # Options.async_staging
+    io_nice: int = 0
 
 
 class Target(Protocol):
@@ -44,13 +48,17 @@ class Target(Protocol):
 
 
 def save(res: SaveResources, target: Target, comm: Comm, state: Dict[str, Any], *, background: bool, path: str,
-         info: Dict[str, Any], t0: float, rec: Recorder = OFF, safetensors: Tuple[str, ...] = ()) -> SaveHandle:
+         info: Dict[str, Any], t0: float, rec: Recorder = OFF, safetensors: Tuple[str, ...] = (),
+         optimizers: Sequence[Any] = (), async_staging: Any = None) -> SaveHandle:
     """Collective: save `state` to `target`; returns once the state may change again (a sync save:
-    committed; an async save: copied out, the write and commit running in the background).
+    committed; an async save: copied out, the write and commit running in the background; with async
+    staging, the optimizers' tensors still being copied and their next step() held until they are).
     `rec`: this rank's record of the save (monitor/; the target's job finishes and writes it).
-    `safetensors`: key paths whose tensors are written as safetensors packs (format 6)."""
+    `safetensors`: key paths whose tensors are written as safetensors packs (format 6).
+    `optimizers`: optimizers whose tensors are in `state` without them (Lightning's state dicts)."""
+    deferral = _deferral(res, state, optimizers, async_staging) if background else None
     # 1. flatten: walk the state (an async save of an unchanged layout starts its copies meanwhile)
-    early = stage.early_copies(res.staging(), res.plans, comm.key) if background else None
+    early = stage.early_copies(res.staging(), res.plans, comm.key, deferral) if background else None
     t_walk = time.perf_counter()
     try:
         with rec.span("walk"):
@@ -80,7 +88,8 @@ def save(res: SaveResources, target: Target, comm: Comm, state: Dict[str, Any], 
         handle.stats["total_s"] = time.perf_counter() - t0
         return handle
     # 3. stage into a slot (the caller waits for this only), then 4. write and 5. commit in the background
-    stage.start(res.staging(), res.runner, res.threads, early, local, data, written, handle, res.closed, t0)
+    stage.start(res.staging(), res.runner, res.threads, early, local, data, written, handle, res.closed, t0,
+                deferral, res.io_nice, rec)
     _record_stall(rec, handle.stats, data)
     res.pending.add(handle)
     return handle
@@ -97,12 +106,36 @@ def _record_stall(rec: Recorder, stats: Dict[str, Any], data) -> None:
     rec.set(stall_us=int(stats["stall_s"] * 1e6), async_save=True)
 
 
-def warm_up(res: SaveResources, comm: Comm, state: Dict[str, Any], timeout_s: float) -> int:
+def _deferral(res: SaveResources, state: Dict[str, Any], optimizers: Sequence[Any], mode: Any
+              ) -> Optional[stage.Deferral]:
+    """Async staging for this save, or None: off, no optimizer guards anything, a CUDA graph is being
+    captured (its replays run no hooks), or "auto" with no optimizer on a GPU."""
+    mode = res.async_staging if mode is None else mode
+    if res.fence is None or mode is False or gate.cuda_capturing():
+        return None
+    found = gate.optimizers_in(state, optimizers)
+    if mode == "auto":  # CUDA tensors only: measured on CPU in docs/async_staging.md
+        found = [(o, ids) for o, ids in found if any(p.is_cuda for g in o.param_groups for p in g["params"][:1])]
+    guards = gate.Guards(found) if found else gate.NO_GUARDS
+    return stage.Deferral(guards, res.fence, cpu=mode is True) if guards else None
+
+
+def warm_up(res: SaveResources, comm: Comm, state: Dict[str, Any], timeout_s: float,
+            background: bool = False) -> Union[int, "Future[int]"]:
     """Collective: plan `state` as a save would and allocate every staging slot's buffers for it;
-    nothing is copied or written. Returns the bytes of staging memory allocated."""
+    nothing is copied or written. Returns the bytes of staging memory allocated, or (background)
+    a Future of them: the plan is made on the caller, the allocation on a background thread (a save
+    meanwhile waits for the slot being filled instead of allocating it again)."""
     prepared = save_plan.prepare(state, res.registry, res.fsdp1_route)
     target = write.WarmUpTarget(timeout_s)
     target.open(comm)
     local, _, _, _ = save_plan.plan(comm, prepared.manifest, res.plans, target.begin, prepared.error)
     data = write.sources(prepared.flat, local.writes)
-    return res.staging().prepare(stage.staging_items(local, data))
+    items = stage.staging_items(local, data)
+    if not background:
+        return res.staging().prepare(items)
+
+    def run(wait_turn) -> int:
+        lower_priority(res.io_nice)
+        return res.staging().prepare(items)
+    return res.runner.submit(run)

@@ -8,16 +8,26 @@ cudaHostAlloc instead of one per tensor, and no pre-faulting pass, since pinned 
 resident). Device-to-host copies are queued non-blocking on each source's current stream (after
 the work that produced the sources, as the caller sees them), and one `Fence` per save waits for
 them all: the caller's thread does its remaining work while the copy engines run.
+
+Buffers of BIG_ALIGN bytes or more start at 4 KiB-aligned addresses (the arena's base is aligned),
+so pack files can be written from them with O_DIRECT without a bounce copy (storage/posix.py).
+Async staging's background copies (copy_cpu) are single-threaded memmoves that release the GIL: no
+OpenMP team of their own beside the training threads.
 """
 from __future__ import annotations
 
+import ctypes
 import threading
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
 BufferKey = Tuple[str, Tuple[int, ...], Tuple[int, ...], torch.dtype]
 _ALIGN = 64
+PAGE = 4096                 # O_DIRECT's alignment (covers 512-byte and 4 KiB logical blocks)
+BIG_ALIGN = 64 << 10        # buffers this big start on a page
+_PREFAULT_PIECE = 64 << 20  # memset per piece (the GIL is released between pieces)
 
 
 class Slot:
@@ -61,6 +71,13 @@ class Staging:
         else:
             buf.copy_(src)
         return buf
+
+    def reserve(self, items: Sequence[Tuple[BufferKey, torch.Tensor]]) -> List[torch.Tensor]:
+        """The slot's buffers for `items` (missing ones allocated together), nothing copied yet:
+        async staging copies these later (copy_cpu on the job thread, or a side CUDA stream)."""
+        self.pool.reserve(self.slot, list(items))
+        self.live.update(k for k, _ in items)
+        return [self.slot.buffers[k] for k, _ in items]
 
     def stage(self, items: Iterable[Tuple[BufferKey, torch.Tensor]]) -> List[torch.Tensor]:
         """Copy each source into the slot's buffer for its key (missing buffers allocated together
@@ -182,17 +199,57 @@ def _wants_pinned(like: torch.Tensor) -> bool:
 
 
 def allocate(likes: Sequence[torch.Tensor], pinned: bool) -> List[torch.Tensor]:
-    """CPU buffers shaped like `likes`, carved out of one allocation (64-byte aligned views).
-    Pinned: page-locked (resident already); else pre-faulted now, not inside the first timed copy."""
+    """CPU buffers shaped like `likes`, carved out of one allocation (64-byte aligned views; those of
+    BIG_ALIGN bytes or more page-aligned). Pinned: page-locked (resident already); else pre-faulted
+    now by one thread (memset), not inside the first timed copy."""
     offsets, total = [], 0
     for t in likes:
+        nbytes = t.numel() * t.element_size()
+        align = PAGE if nbytes >= BIG_ALIGN else _ALIGN
+        total = -(-total // align) * align
         offsets.append(total)
-        total += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
-    arena = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=pinned)
+        total += nbytes
+    total = -(-total // _ALIGN) * _ALIGN
+    raw = torch.empty(max(total, 1) + PAGE, dtype=torch.uint8, pin_memory=pinned)
+    base = (-raw.data_ptr()) % PAGE
+    arena = raw[base:base + max(total, 1)]
     if not pinned and total:
-        arena.zero_()
+        prefault(arena)
     out = []
     for t, off in zip(likes, offsets):
         nbytes = t.numel() * t.element_size()
         out.append(arena[off:off + nbytes].view(t.dtype).view(t.shape))
     return out
+
+
+def prefault(arena: torch.Tensor) -> None:
+    """Touch every page of a fresh CPU buffer (zeros), single-threaded, GIL released per piece."""
+    ptr, n = arena.data_ptr(), arena.numel()
+    for start in range(0, n, _PREFAULT_PIECE):
+        ctypes.memset(ptr + start, 0, min(_PREFAULT_PIECE, n - start))
+
+
+_RAW = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
+_TORCH_RAW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def copy_cpu(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst <- src for CPU tensors on the calling thread alone (no intra-op thread team), the GIL
+    released: one memmove when both are contiguous, numpy's strided copy otherwise (the bits as
+    same-size integers, so every dtype copies exactly)."""
+    n = src.numel() * src.element_size()
+    if not n:
+        return
+    if src.is_contiguous() and dst.is_contiguous():
+        ctypes.memmove(dst.data_ptr(), src.data_ptr(), n)
+        return
+    size = src.element_size()
+    src = src.detach()
+    if size in _RAW and dst.is_contiguous() and not src.is_conj() and not src.is_neg():
+        try:
+            np.copyto(dst.view(_TORCH_RAW[size]).numpy(), src.view(_TORCH_RAW[size]).numpy(), casting="no")
+            return
+        except (RuntimeError, TypeError, ValueError):
+            pass
+    with torch.no_grad():
+        dst.copy_(src)  # complex128 and other odd layouts: torch's copy

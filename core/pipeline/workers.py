@@ -6,23 +6,54 @@ idle holds no thread (frameworks check for leaked threads after teardown).
 """
 from __future__ import annotations
 
+import logging
+import os
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, List, Optional, Sequence
+
+log = logging.getLogger("bytecheckpoint")
+
+
+def lower_priority(nice: int) -> None:
+    """Raise this thread's niceness to `nice` (Linux: per thread; threads it starts inherit it).
+    Only ever raised, and only on threads that end with their job: an unprivileged process could not
+    lower it again. A no-op where unsupported."""
+    if nice <= 0 or not hasattr(os, "setpriority"):
+        return
+    try:
+        tid = threading.get_native_id()
+        if os.getpriority(os.PRIO_PROCESS, tid) < nice:
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+    except (OSError, AttributeError) as exc:  # e.g. a sandbox without setpriority
+        log.debug("bytecheckpoint: io_nice=%d not applied: %s", nice, exc)
 
 
 class Workers:
-    """A small pool for one operation; `map` keeps order. Use as a context manager."""
+    """A small pool for one operation; `map` keeps order. Use as a context manager. `cpu_s`: the
+    CPU seconds its pool threads spent on tasks (what an async save's background costs)."""
 
     def __init__(self, threads: int, name: str = "bytecheckpoint-io"):
         self._threads, self._name = max(1, threads), name
         self._pool: Optional[ThreadPoolExecutor] = None
+        self._cpu: List[float] = []
+
+    @property
+    def cpu_s(self) -> float:
+        return sum(self._cpu)
 
     def map(self, fn: Callable[..., Any], items: Sequence) -> Iterator:
         """fn(*item) for tuples, fn(item) otherwise; all submitted at once, results in order."""
-        call = (lambda a: fn(*a) if isinstance(a, tuple) else fn(a))
         if not items or self._threads == 1:
-            return map(call, items)
+            return map(lambda a: fn(*a) if isinstance(a, tuple) else fn(a), items)
+
+        def call(a: Any) -> Any:
+            c0 = time.thread_time()
+            try:
+                return fn(*a) if isinstance(a, tuple) else fn(a)
+            finally:
+                self._cpu.append(time.thread_time() - c0)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=self._threads, thread_name_prefix=self._name)
         futures = [self._pool.submit(call, a) for a in items]

@@ -21,7 +21,7 @@ def _open_file(url: str, opts: Dict[str, Any], env: "StorageEnv", timeout: Optio
         from .kv import KvStorage
         return KvStorage(url, scheme, kvstore_spec(url, opts), env.context(), root, timeout)
     from .posix import PosixStorage
-    return PosixStorage(url, root, timeout)
+    return PosixStorage(url, root, timeout, env.direct_io)
 
 
 def _open_kv(url: str, opts: Dict[str, Any], env: "StorageEnv", timeout: Optional[float]) -> Storage:
@@ -45,8 +45,9 @@ class StorageEnv:
     limits, the memory:// store) and a private directory for explicit S3 credentials."""
 
     def __init__(self, context: Callable[[], Any], secrets_dir: Callable[[Mapping[str, Any]], Optional[str]],
-                 local_io: str = "posix"):
+                 local_io: str = "posix", direct_io: Any = "auto"):
         self.context, self.secrets_dir, self.local_io = context, secrets_dir, local_io
+        self.direct_io = direct_io  # PosixStorage's O_DIRECT pack writes (Options.direct_io)
 
 
 def open_storage(url: str, storage_options: Optional[Mapping[str, Any]], env: StorageEnv) -> Storage:

@@ -31,7 +31,7 @@ class StorageCache:
             store = self._storages.get(key)
             if store is None:
                 store = open_storage(url, opts, StorageEnv(self._tensorstore_context, self._secrets_dir,
-                                                           self.options.local_io))
+                                                           self.options.local_io, self.options.direct_io))
                 self._storages[key] = store
                 while len(self._storages) > _STORAGE_CACHE_SIZE:
                     self._storages.popitem(last=False)
