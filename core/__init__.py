@@ -27,6 +27,8 @@ from .common.errors import (
 )
 from .common.options import Options
 from .common.shards import FlatShard, Shard
+from . import data
+from .data import ElasticDataLoader, ElasticSampler
 from .dist.comm import LOCAL
 from .format.metadata import FORMAT_VERSION
 from .pipeline.handles import SaveHandle
@@ -41,6 +43,7 @@ __version__ = "0.2.0"
 __all__ = [
     "save", "load", "load_full", "latest", "keep_last", "RetentionReport", "inspect", "verify", "is_checkpoint", "delete",
     "wait_pending", "Checkpointer", "Options", "default_checkpointer", "LOCAL", "LocalTier", "Restored", "REGISTRY", "Handler", "ModuleView",
+    "data", "ElasticSampler", "ElasticDataLoader",
     "Shard", "FlatShard", "SaveHandle", "CheckpointInfo", "TensorInfo", "VerifyReport", "LoadStats",
     "last_load_stats", "FORMAT_VERSION", "stats", "SaveStats", "StatsReport", "last_save_stats",
     "CheckpointError", "CheckpointerClosedError", "CheckpointExistsError", "CheckpointNotFoundError",

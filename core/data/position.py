@@ -1,0 +1,102 @@
+"""Where the data stream stands: one record, the same on every rank and for every process count.
+
+``DataPosition`` is what a checkpoint holds (``to_state()``: plain values only, so it is stored
+per rank in the safe encoding and never pickled); ``verdict`` is the one line a resume reports.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Dict, Optional
+
+FORMAT = "bytecheckpoint.data/1"
+
+
+@dataclass(frozen=True)
+class DataPosition:
+    """The data stream's position in global units.
+
+    Attributes:
+        epoch: the epoch whose order is being consumed.
+        consumed: positions of that epoch's order taken by finished loader steps, in samples over
+            all processes; None where the framework keeps the count itself (Accelerate).
+        dataset_len: N, the dataset's length when saved.
+        global_batch: samples per loader step over all processes (per-process batch x processes).
+        shuffle, seed: the order is ``randperm(N)`` seeded ``seed + epoch`` (or ``range(N)``)...
+        generator_state: ...or whatever a ``RandomSampler`` draws from a ``torch.Generator`` in
+            this state (the generator's state at the start of the epoch).
+        drop_last: the sampler's (DistributedSampler's) ``drop_last``.
+        drop_last_batch: the loader's ``drop_last`` (an epoch ends before a last partial step).
+        world_size: the process count that saved it (messages only).
+    """
+
+    epoch: int
+    consumed: Optional[int]
+    dataset_len: int
+    global_batch: int
+    shuffle: bool = True
+    seed: Optional[int] = None
+    generator_state: Optional[bytes] = None
+    drop_last: bool = False
+    drop_last_batch: bool = False
+    world_size: int = 1
+
+    def to_state(self) -> Dict[str, Any]:
+        return {"format": FORMAT, **dataclasses.asdict(self)}
+
+    @classmethod
+    def from_state(cls, state: Any) -> "DataPosition":
+        if not isinstance(state, dict) or state.get("format") != FORMAT:
+            found = state.get("format") if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"not a bytecheckpoint data position: 'format' is {found!r}, expected {FORMAT!r} (a "
+                             f"record saved by a newer bytecheckpoint? upgrade it to load this checkpoint)")
+        names = {f.name for f in dataclasses.fields(cls)}
+        missing = sorted(n for n in ("epoch", "consumed", "dataset_len", "global_batch") if n not in state)
+        if missing:
+            raise ValueError(f"bytecheckpoint data position without {missing}: the record is damaged")
+        return cls(**{k: v for k, v in state.items() if k in names})
+
+    @classmethod
+    def is_record(cls, state: Any) -> bool:
+        return isinstance(state, dict) and state.get("format") == FORMAT
+
+    def normalized(self) -> "DataPosition":
+        """A position at the end of its epoch (every sample taken, or, with the loader's
+        ``drop_last``, less than a step left) is the start of the next epoch."""
+        c = self.consumed
+        if c is None:
+            return self
+        done = c >= self.dataset_len or (self.drop_last_batch and self.global_batch > 0
+                                          and self.dataset_len - c < self.global_batch)
+        if done:
+            return dataclasses.replace(self, epoch=self.epoch + 1, consumed=0, generator_state=None)
+        return self
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What a resume does with the saved position: ``exact`` (every later global step equals the
+    uninterrupted run's), and the one line that says so or names the reason."""
+
+    exact: bool
+    line: str
+    replayed: int = 0   # samples of the interrupted epoch trained a second time
+    skipped: int = 0    # samples of the interrupted epoch never trained
+
+    def __str__(self) -> str:
+        return self.line
+
+
+def verdict(saved: DataPosition, *, dataset_len: int, global_batch: int, world: int) -> Verdict:
+    """The resume of ``saved`` on ``world`` processes taking ``global_batch`` samples per step."""
+    if saved.dataset_len != dataset_len:
+        return Verdict(False, f"data order: not exact: the dataset has {dataset_len} samples, the checkpoint's had "
+                              f"{saved.dataset_len}; epoch {saved.epoch} restarts from its first sample")
+    where = (f"epoch {saved.epoch}, {saved.consumed}/{saved.dataset_len} samples consumed" if saved.consumed is not None
+             else f"epoch {saved.epoch}'s order")
+    if saved.global_batch and global_batch and saved.global_batch != global_batch:
+        return Verdict(False, f"data order: continues by sample count (no sample replayed or skipped), not step for "
+                              f"step: global batch {saved.global_batch} -> {global_batch} ({global_batch // world} "
+                              f"per process x {world} processes); keep it at {saved.global_batch} to resume step for "
+                              f"step ({where})")
+    return Verdict(True, f"data order: exact ({where}, {saved.world_size} -> {world} processes)")
