@@ -65,7 +65,8 @@ test-frameworks-accelerate: $(FRAMEWORKS)
 	$(PY) tests/frameworks/run_accelerate.py --suite $(ACCELERATE_SUITE)
 
 # transformers 5.24's test_trainer_checkpointing.py / test_trainer_resume.py with attach(trainer)
-# injected (~1.5 min); the suite's files are not in this repository: tests/frameworks/transformers/ORIGIN.md
+# injected, with the checkpoint/... metrics logged and with BCP_LOG_METRICS=0 (~3.5 min); the suite's
+# files are not in this repository: tests/frameworks/transformers/ORIGIN.md
 TRANSFORMERS_SUITE ?= ../shared/framework_suites/transformers
 test-frameworks-transformers: $(FRAMEWORKS)
 	$(PY) tests/frameworks/run_transformers.py --suite $(TRANSFORMERS_SUITE)
