@@ -186,35 +186,50 @@ class Recorder:
 
     def phases(self) -> Dict[str, Phase]:
         """Every span folded per name (all of them, not only the ones a record keeps)."""
+        p0 = self.perf0
+        return {n: Phase(n, kind_of(n), a[0] - p0, a[1] - a[0], a[2], a[3], a[4], a[5])
+                for n, a in self._fold(keep=False)[0].items()}
+
+    def _fold(self, keep: bool) -> Tuple[Dict[str, list], List[list], int]:
+        """One pass over a snapshot of the spans (other threads may still append): per name
+        [first start, last end, busy, bytes, count, spans]; with `keep`, also the spans a record
+        keeps (MAX_SPANS_PER_NAME per name, times in µs from the start) and how many it drops."""
+        p0, threads = self.perf0, self._threads
         acc: Dict[str, list] = {}
-        for name, t0, t1, _, nbytes, count in list(self._spans):
+        kept: List[list] = []
+        dropped = 0
+        for name, t0, t1, tid, nbytes, count in list(self._spans):
             a = acc.get(name)
             if a is None:
-                acc[name] = [t0, t1, t1 - t0, nbytes, count, 1]
+                a = acc[name] = [t0, t1, t1 - t0, nbytes, count, 1]
             else:
-                a[0], a[1] = min(a[0], t0), max(a[1], t1)
+                if t0 < a[0]:
+                    a[0] = t0
+                if t1 > a[1]:
+                    a[1] = t1
                 a[2] += t1 - t0
                 a[3] += nbytes
                 a[4] += count
                 a[5] += 1
-        return {n: Phase(n, kind_of(n), a[0] - self.perf0, a[1] - a[0], a[2], a[3], a[4], a[5])
-                for n, a in acc.items()}
+            if not keep:
+                continue
+            if a[5] > MAX_SPANS_PER_NAME:
+                dropped += 1
+            else:
+                kept.append([name, round((t0 - p0) * 1e6), round((t1 - t0) * 1e6), threads.get(tid, str(tid)),
+                             nbytes, count])
+        return acc, kept, dropped
 
     def to_json(self) -> Dict[str, Any]:
-        us = lambda s: int(round(s * 1e6))  # noqa: E731
-        spans, per_name, dropped = [], {}, 0
+        """The record (integer µs from start_unix), folded in one pass without Phase objects: it
+        is on the operation's path (benchmarks/bench_monitoring.py)."""
         p0 = self.perf0
-        for name, t0, t1, tid, nbytes, count in list(self._spans):
-            k = per_name[name] = per_name.get(name, 0) + 1
-            if k > MAX_SPANS_PER_NAME:
-                dropped += 1
-                continue
-            spans.append([name, us(t0 - p0), us(t1 - t0), self._threads.get(tid, str(tid)), nbytes, count])
-        phases = {n: {"start_us": us(p.start_s), "us": us(p.seconds), "busy_us": us(p.busy_s), "bytes": p.bytes,
-                      "count": p.count, "n": p.n} for n, p in self.phases().items()}
+        acc, spans, dropped = self._fold(keep=True)
+        phases = {n: {"start_us": round((a[0] - p0) * 1e6), "us": round((a[1] - a[0]) * 1e6),
+                      "busy_us": round(a[2] * 1e6), "bytes": a[3], "count": a[4], "n": a[5]} for n, a in acc.items()}
         return {"schema": SCHEMA, "op": self.op, "op_id": self.op_id, "path": self.path, "rank": self.rank,
                 "world_size": self.world_size, "global_rank": _global_rank(self.rank), "host": _host(),
-                "pid": os.getpid(), "start_unix": round(self.wall0, 6), "duration_us": us(self.duration_s),
+                "pid": os.getpid(), "start_unix": round(self.wall0, 6), "duration_us": round(self.duration_s * 1e6),
                 "outcome": self.outcome or "running", "phases": phases, "spans": spans, "dropped_spans": dropped,
                 "info": dict(self.info)}
 
