@@ -123,6 +123,7 @@ def run_case(name: str, state, root: str, reps: int, costs: Dict[str, float]) ->
     engines = {"on": bcp.Checkpointer(record_stats="all"), "off": bcp.Checkpointer(record_stats="off")}
     times: Dict[str, Dict[str, List[float]]] = {m: {"save": [], "stall": [], "async": [], "load": []} for m in engines}
     cost: Dict[str, List[float]] = {"save": [], "stall": [], "async": [], "load": []}
+    ends: Dict[str, List[float]] = {"save": [], "async": [], "load": []}   # each record's own end (rec.self_s)
     for rep in range(reps + 1):                      # the first round warms caches and staging
         for mode in (("on", "off") if rep % 2 else ("off", "on")):
             ck = engines[mode]
@@ -152,12 +153,15 @@ def run_case(name: str, state, root: str, reps: int, costs: Dict[str, float]) ->
                 cost["stall"].append(len(caller) * costs["span"] + sums + fixed)
                 cost["async"].append(len(arec._spans) * costs["span"] + 2 * sums + fixed + arec.self_s)
                 cost["load"].append(len(lrec._spans) * costs["span"] + fixed + lrec.self_s)
+                for k, r in (("save", srec), ("async", arec), ("load", lrec)):
+                    ends[k].append(r.self_s)
     for ck in engines.values():
         ck.close()
     label = f"{name} {mib:.0f} MiB"
     print(f"{label}: {len(tensors)} tensors; spans per sync save {len(srec._spans)}, async {len(arec._spans)}, "
-          f"load {len(lrec._spans)}; byte sums {sums * 1e3:.3f} ms; record end (fold + JSON + put) "
-          f"{srec.self_s * 1e3:.2f} ms (save), {lrec.self_s * 1e3:.2f} ms (load)", flush=True)
+          f"load {len(lrec._spans)}; byte sums {sums * 1e3:.3f} ms; record end (fold + JSON + put), median of "
+          f"{reps}: {med(ends['save']) * 1e3:.3f} ms (sync save), {med(ends['async']) * 1e3:.3f} ms (async save, "
+          f"job thread), {med(ends['load']) * 1e3:.3f} ms (load)", flush=True)
     for op, what in (("save", "sync save"), ("stall", "async save stall"), ("async", "async save (whole)"),
                      ("load", "load")):
         on = med(times["on"][op])
