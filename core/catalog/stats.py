@@ -8,15 +8,15 @@ A missing or damaged record is reported, never an error of the checkpoint.
 """
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Dict, List, Optional, Tuple
 
 from ..common.errors import CheckpointError, IncompleteCheckpointError
 from ..format.metadata import Metadata
 from ..monitor import StatsReport, analyze, parse_record, record_key
+from ..pipeline.workers import Workers
+from ..pipeline.write import DATA_PREFIX
 from ..storage import Storage
 
-DATA_PREFIX = "data-"
 READERS = 16
 
 
@@ -72,8 +72,7 @@ def _read(store: Storage, data_dir: str, op: str, world: int) -> Tuple[Dict[int,
     records: Dict[int, dict] = {}
     damaged: Dict[int, str] = {}
 
-    def fetch(item):
-        rank, key = item
+    def fetch(rank: int, key: str):
         try:
             raw = store.get(key)
         except CheckpointError as exc:
@@ -87,8 +86,8 @@ def _read(store: Storage, data_dir: str, op: str, world: int) -> Tuple[Dict[int,
         if rec["rank"] != rank:
             return rank, None, f"names rank {rec['rank']}"
         return rank, rec, None
-    with ThreadPoolExecutor(min(READERS, max(1, len(ranks))), thread_name_prefix="bytecheckpoint-stats") as pool:
-        for rank, rec, problem in pool.map(fetch, sorted(ranks.items())):
+    with Workers(min(READERS, len(ranks)), "bytecheckpoint-stats") as workers:
+        for rank, rec, problem in workers.map(fetch, sorted(ranks.items())):
             if rec is not None:
                 records[rank] = rec
             elif problem is not None:
