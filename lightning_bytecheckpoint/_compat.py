@@ -120,3 +120,49 @@ def dump_checkpoint(trainer: Any) -> dict:
     if connector is None or not hasattr(connector, "dump_checkpoint"):
         raise _missing("Trainer._checkpoint_connector.dump_checkpoint", "build the checkpoint of a local-tier save")
     return connector.dump_checkpoint(weights_only=False)
+
+
+# ---------------------------------------------------------------- the train loader (data order, data.py)
+
+def hook_process_dataloader(cls: type, after: Callable[[Any, Any], Any]) -> None:
+    """Wrap ``cls.process_dataloader`` (public; Lightning calls it on every loader it prepared,
+    after injecting its DistributedSampler) once, so that ``after(strategy, loader)`` may replace
+    the loader. No CheckpointIO hook sees the loaders."""
+    original = cls.__dict__.get("process_dataloader")
+    if not callable(original):
+        raise _missing(f"{cls.__qualname__}.process_dataloader method", "make the train loader's position reshardable")
+    if getattr(original, _MARK, False):
+        return
+
+    def process_dataloader(self: Any, dataloader: object) -> object:
+        return after(self, original(self, dataloader))
+
+    setattr(process_dataloader, _MARK, True)
+    process_dataloader.__doc__ = original.__doc__
+    setattr(cls, "process_dataloader", process_dataloader)
+
+
+def update_dataloader(dataloader: Any, sampler: Any) -> Any:
+    """``lightning.pytorch.utilities.data._update_dataloader``: the user's DataLoader (subclasses
+    included) re-instantiated with another sampler, as Lightning injects its DistributedSampler.
+    Public Lightning has no call that rebuilds a loader."""
+    from lightning.pytorch.trainer.states import RunningStage
+    from lightning.pytorch.utilities import data as pl_data
+
+    update = getattr(pl_data, "_update_dataloader", None)
+    if not callable(update):
+        raise _missing("lightning.pytorch.utilities.data._update_dataloader function",
+                       "rebuild the train loader with a reshardable sampler")
+    return update(dataloader, sampler, mode=RunningStage.TRAINING)
+
+
+def pending_loader_states(trainer: Any) -> list:
+    """The saved train loader states the fit loop hands its stateful loaders before the first
+    batch (``FitLoop._combined_loader_states_to_load``; Lightning does so only when it restarts
+    mid-epoch). The list itself: a train loader that no longer takes a saved position has it
+    removed (Lightning would refuse the count), and at an epoch boundary, where Lightning hands
+    nothing over, the adapter takes its positions from it. Lightning has no public view of them."""
+    states = getattr(trainer.fit_loop, "_combined_loader_states_to_load", None)
+    if not isinstance(states, list):
+        raise _missing("FitLoop._combined_loader_states_to_load list", "hand saved train loader positions over")
+    return states

@@ -66,11 +66,15 @@ class ByteCheckpointIO(CheckpointIO):
         log_metrics: log ``checkpoint/...`` metrics (stall, save and load seconds, bytes,
             throughput) to the Trainer's loggers (docs/monitoring.md). ``None``: on, unless
             ``BCP_LOG_METRICS=0``.
+        data_order: save the train loader's position with every checkpoint and resume it on any
+            device count, step for step (docs/data.md). On one device the loader then draws
+            DistributedSampler's order instead of the global RNG's. ``data_order_report`` holds
+            the line a resume printed (``data order: exact (...)`` or the reason it is not).
     """
 
     def __init__(self, checkpointer: Optional[bcp.Checkpointer] = None, *, async_save: Optional[bool] = None,
                  storage_options: Optional[Mapping[str, Any]] = None, restore_rng: bool = True,
-                 log_metrics: Optional[bool] = None) -> None:
+                 log_metrics: Optional[bool] = None, data_order: bool = True) -> None:
         super().__init__()
         if checkpointer is not None and not isinstance(checkpointer, bcp.Checkpointer):
             raise TypeError(f"ByteCheckpointIO(checkpointer=...) takes a bytecheckpoint.Checkpointer, got "
@@ -85,6 +89,8 @@ class ByteCheckpointIO(CheckpointIO):
         self._strategy_ref: Optional[weakref.ref] = None  # set by connect()
         self._template_for: Optional[Callable[["ByteCheckpointIO", _PATH], Optional[Dict[str, Any]]]] = None
         self._metrics = _metrics.MetricsLog(log_metrics)
+        self.data_order = data_order
+        self.data_order_report: Optional[str] = None  # set by data.py when a resume hands the position over
 
     # ------------------------------------------------------------------ the engine
 
