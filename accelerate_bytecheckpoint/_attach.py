@@ -31,7 +31,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import bytecheckpoint as bcp
 
-from . import _agreement
+from . import _agreement, _data
 from ._agreement import CHECKPOINT_SUBDIR, LEGACY_MODEL_FILES, save_on_each_node
 from . import _compat as compat
 from . import _routes as routes
@@ -40,7 +40,7 @@ from ._metrics import MetricsLog
 logger = logging.getLogger(__name__)
 
 _ATTACHMENT_ATTR = "_bytecheckpoint_attachment"
-_WRAPPED_METHODS = ("save_state", "load_state", "end_training")
+_WRAPPED_METHODS = ("save_state", "load_state", "end_training", "prepare_data_loader")  # the last: _data.py
 _MISSING = object()
 
 
@@ -71,7 +71,7 @@ class _Call:
     strict: bool = True
 
 
-class ByteCheckpointAttachment:
+class ByteCheckpointAttachment(_data.DataOrderMixin):
     """Handle returned by :func:`attach`. ``remove()`` restores Accelerate's default behaviour."""
 
     def __init__(self, accelerator: Any, checkpointer: "bcp.Checkpointer", *, owns_checkpointer: bool,
@@ -332,7 +332,7 @@ class ByteCheckpointAttachment:
         if not self._ckpt.is_checkpoint(path, **self._storage):
             self._hand_back_legacy(call, input_dir, path)
             return
-        state = self._state(call, targets)
+        state = self._with_data(self._state(call, targets), path)  # + the loaders' data order, if saved
         group = {} if route.sharded else {"process_group": bcp.LOCAL}
         self._ckpt.load(path, state, strict=call.strict, **group, **self._storage)
         self._metrics.loaded(self._ckpt.last_load_stats)
@@ -350,8 +350,8 @@ class ByteCheckpointAttachment:
         (``accelerator.step`` counts gradient-accumulation steps only). Every process
         calls: each writes its share to its node and copies it to peer nodes (docs/local_tier.md).
         Saved: models, optimizers, LR schedulers, objects registered with
-        ``register_for_checkpointing``, and ``accelerator.step``; not the per-process RNG states
-        nor dataloader positions (those are in ``save_state``'s persistent folders only)."""
+        ``register_for_checkpointing``, ``accelerator.step`` and the loaders' data order; not the
+        per-process RNG states (those are in ``save_state``'s persistent folders only)."""
         self._require_tier("save_local")
         if not isinstance(step, int) or isinstance(step, bool):
             raise TypeError(f"save_local: step must be the training step (an int), got {step!r}")
@@ -398,7 +398,7 @@ class ByteCheckpointAttachment:
         for j, obj in enumerate(compat.custom_objects(acc)):
             state[_key("custom", j)] = obj
         state["accelerator"] = {"step": int(acc.step)}
-        return state
+        return self._with_data(state)
 
     # ------------------------------------------------------------------ save / load
     def _collective(self, route: routes.Route) -> bool:
@@ -415,7 +415,7 @@ class ByteCheckpointAttachment:
             return
         path = os.path.join(call.directory, CHECKPOINT_SUBDIR)
         group = {} if collective else {"process_group": bcp.LOCAL}
-        handle = self._ckpt.save(path, self._state(call, call.kept), overwrite=True,  # as Accelerate overwrites
+        handle = self._ckpt.save(path, self._with_data(self._state(call, call.kept)), overwrite=True,  # as Accelerate
                                  **group, **self._overrides, **self._storage)
         self._metrics.saved(handle)
         logger.info("bytecheckpoint: models/optimizers %s to %s", "saving" if self._async else "saved", path)
@@ -453,7 +453,7 @@ class ByteCheckpointAttachment:
 
 def attach(accelerator: Any, checkpointer: Optional["bcp.Checkpointer"] = None, *, async_save: Optional[bool] = None,
            storage_options: Optional[dict] = None, collective_save: bool = False, log_metrics: Optional[bool] = None,
-           metrics_step: Optional[Callable[[], int]] = None) -> ByteCheckpointAttachment:
+           metrics_step: Optional[Callable[[], int]] = None, data_order: bool = True) -> ByteCheckpointAttachment:
     """Make ``accelerator.save_state`` / ``load_state`` write and read models and optimizers with
     bytecheckpoint (``<checkpoint dir>/bytecheckpoint``), reshardable to any process count.
 
@@ -472,6 +472,8 @@ def attach(accelerator: Any, checkpointer: Optional["bcp.Checkpointer"] = None, 
             ``save_state`` may be called on the main process only or on every process.
         log_metrics: ``checkpoint/...`` metrics through ``accelerator.log`` (default on unless
             BCP_LOG_METRICS=0), at ``metrics_step()`` (default: the checkpoint count). docs/monitoring.md.
+        data_order: every prepared loader keeps one global order on any process count, saved and
+            restored with the checkpoint (docs/data.md); ``attachment.data_order``: the lines a load reported.
     """
     import accelerate
 
@@ -492,4 +494,5 @@ def attach(accelerator: Any, checkpointer: Optional["bcp.Checkpointer"] = None, 
                                           storage_options=storage_options, collective_save=collective_save,
                                           log_metrics=log_metrics, metrics_step=metrics_step)
     attachment._install()
+    attachment._data_setup(data_order)  # loaders prepared before attach get their order too
     return attachment

@@ -8,10 +8,12 @@ the adapter needs it for, the installed Accelerate version and the versions it w
 | `Accelerator._optimizers` | the prepared optimizers; swapped for an empty list while `save_state` / `load_state` run, so Accelerate writes/reads no `optimizer.bin` | the pre-hooks receive models but not optimizers, and `save_state` binds the list before the hooks run; there is no public getter |
 | `Accelerator._schedulers`, `._custom_objects` | read by the local-tier `save_local` / `restore` only: the schedulers and registered objects Accelerate's `save_state` writes to its own files | no public getter lists them |
 | `Accelerator._models` | FSDP only: swapped for an empty list so Accelerate does not save/load the models through DCP, and read to know them on load | for FSDP `save_state`/`load_state` handle models *before* any hook; the load hook receives an empty list |
+| `Accelerator._dataloaders` | the prepared loaders: their global order is adopted at attach (loaders prepared before it) and recorded in every checkpoint (`_data.py`) | no public getter lists them |
 | `Accelerator._save_model_state_pre_hook`, `._load_model_state_pre_hook` | ordering: the adapter's first hook runs before every user hook (it snapshots `weights`), its last hook after them (it takes what they left) | hooks run in registration order and there is no public way to order them |
 
 Everything else the adapter uses is public: `register_save_state_pre_hook`,
-`register_load_state_pre_hook`, `unwrap_model`, `distributed_type`, `is_main_process`,
+`register_load_state_pre_hook`, `prepare_data_loader` (wrapped on the instance), `DataLoaderShard.set_sampler`
+/ `set_epoch` / `total_batch_size`, `unwrap_model`, `distributed_type`, `is_main_process`,
 `is_local_main_process`, `project_configuration`, `project_dir`, `step`, `AcceleratedOptimizer.optimizer`.
 """
 from __future__ import annotations
@@ -31,6 +33,7 @@ _NEEDED = {
     "_models": (list, "the prepared models"),
     "_schedulers": (list, "the prepared LR schedulers (local-tier saves)"),
     "_custom_objects": (list, "the objects passed to register_for_checkpointing (local-tier saves)"),
+    "_dataloaders": (list, "the prepared dataloaders (their data order is saved)"),
     "_save_model_state_pre_hook": (OrderedDict, "the order of save_state pre-hooks"),
     "_load_model_state_pre_hook": (OrderedDict, "the order of load_state pre-hooks"),
 }
@@ -77,6 +80,10 @@ def schedulers(accelerator: Any) -> list:
 
 def custom_objects(accelerator: Any) -> list:
     return list(_get(accelerator, "_custom_objects"))
+
+
+def dataloaders(accelerator: Any) -> list:
+    return list(_get(accelerator, "_dataloaders"))
 
 
 def set_lists(accelerator: Any, models_: list, optimizers_: list) -> None:

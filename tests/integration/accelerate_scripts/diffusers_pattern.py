@@ -189,7 +189,9 @@ def resume(out: str) -> None:
     for name in NAMES:
         parts = build(seed=999)  # a different init: loading must overwrite everything
         accelerator = parts[0]
-        handle = attach(accelerator) if name != "default" else None
+        # data_order=False: compared with Accelerate's own resume, whose 1-process order is its own
+        # (with data order the resume continues the 2-process run's order: test_data_order_accelerate.py)
+        handle = attach(accelerator, data_order=False) if name != "default" else None
         accelerator.load_state(os.path.join(out, name))
         train(parts, steps=3)
         torch.save(dump(parts), os.path.join(out, f"final_{name}.pt"))
