@@ -3,8 +3,9 @@
 (``bytecheckpoint.monitor``); handed over on the training thread only.
 
 Where ``Trainer.log`` is safe: it ends with ``on_log``, which clears ``control.should_log``, so it
-is never called from a step-end hook (the Trainer's own loss log of that step would be dropped).
-Save metrics are logged right after the stock ``_save_checkpoint`` (the step's log has been
+is never called from a step-end hook (the Trainer's own loss log of that step would be dropped);
+a JIT checkpoint (SIGTERM) is saved from step hooks by transformers itself, so a pending
+``should_log`` is set again after our log. Save metrics are logged right after the stock ``_save_checkpoint`` (the step's log has been
 written by then); a resume's load metrics from ``on_train_begin`` (the resumed ``log_history`` is
 in place by then); completions of async saves at the next save, the end of training, ``wait()``,
 at the step current then, with ``checkpoint/saved_step``. Off: ``attach(..., log_metrics=False)``
@@ -61,8 +62,13 @@ class MetricsLog:
     def _log(self, metrics: Dict[str, float]) -> None:
         if not metrics:
             return
+        # A JIT checkpoint (SIGTERM) may save from a step-end hook, after DefaultFlowCallback asked
+        # for this step's log: Trainer.log's on_log clears control.should_log, so ask again.
+        due = bool(getattr(getattr(self._trainer, "control", None), "should_log", False))
         try:
             self._trainer.log(dict(metrics))
+            if due:
+                self._trainer.control.should_log = True
         except Exception as exc:  # noqa: BLE001 - metrics never fail a checkpoint
             log.warning("bytecheckpoint: Trainer.log of checkpoint metrics failed (%s); turned off", exc)
             self.enabled = False

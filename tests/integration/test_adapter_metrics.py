@@ -136,3 +136,39 @@ def test_trainer_log_history_gets_metrics_and_keeps_its_own_logs(tmp_path, monke
     assert (4, sorted(LOAD)) in _metrics_rows(resumed)
     monkeypatch.setenv("BCP_LOG_METRICS", "0")
     assert _metrics_rows(run(tmp_path / "off")) == []
+
+
+def test_trainer_jit_checkpoint_from_a_step_end_keeps_the_steps_loss_log(tmp_path):
+    """transformers' JIT checkpoint (SIGTERM) may run in JITCheckpointCallback.on_step_end, after
+    DefaultFlowCallback set control.should_log: the save metrics' Trainer.log (whose on_log
+    clears should_log) must not drop the Trainer's own loss log of that step."""
+    pytest.importorskip("transformers")
+    sys.path.insert(0, str(Path(__file__).parent / "transformers_scripts"))
+    from tiny import Tokens, tiny_gpt2, training_args
+    from transformers import Trainer, TrainerCallback
+
+    from transformers_bytecheckpoint import attach
+
+    class RequestAtStep(TrainerCallback):   # as the SIGTERM timer would, between two hooks of step 3
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                for cb in trainer.callback_handler.callbacks:
+                    if getattr(cb, "jit_manager", None) is not None:
+                        cb.jit_manager.is_checkpoint_requested = True
+
+    def run(out, attached):
+        nonlocal trainer
+        trainer = Trainer(model=tiny_gpt2(), args=training_args(str(out), enable_jit_checkpoint=True, save_steps=100),
+                          train_dataset=Tokens(), callbacks=[RequestAtStep()])
+        handle = attach(trainer, async_save=True) if attached else None
+        trainer.train()
+        if handle is not None:
+            handle.remove()
+        return trainer.state.log_history
+
+    trainer = None
+    stock = run(tmp_path / "stock", attached=False)
+    history = run(tmp_path / "a", attached=True)
+    assert [e["step"] for e in history if "loss" in e] == [e["step"] for e in stock if "loss" in e] == [1, 2, 3]
+    assert (3, ["checkpoint/save_bytes", "checkpoint/save_mb_s", "checkpoint/save_s", "checkpoint/save_stall_s",
+                "checkpoint/save_write_s"]) in _metrics_rows(history)   # the JIT save is synchronous
