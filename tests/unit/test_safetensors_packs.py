@@ -80,7 +80,11 @@ def test_a_key_path_that_cannot_be_safetensors_stays_format_5(tmp_path):
     bcp.save(tmp_path / "ck", state, safetensors=["model"])
     md = bcp.Checkpointer().metadata(tmp_path / "ck")
     assert md.version == 5 and not md.safetensors
-    assert torch.equal(bcp.load_full(tmp_path / "ck")["model"]["c"], state["model"]["c"])
+    full = bcp.load_full(tmp_path / "ck")
+    assert torch.equal(full["model"]["c"], state["model"]["c"]) and torch.equal(full["model"]["w"], state["model"]["w"])
+    # the key path's other tensors are still laid out as a safetensors file (part of it), read through `at`
+    (partial,) = [p for p in md.packs if p.endswith(".safetensors")]
+    assert list(load_file(str(tmp_path / "ck" / partial))) == ["w"]
     with pytest.raises(bcp.CheckpointError, match=r"no safetensors files.*safetensors=\['model'\]"):
         link_views(str(tmp_path / "ck"), md, "model", str(tmp_path / "hf"))
     with pytest.raises(bcp.CheckpointError, match="key paths"):
