@@ -33,6 +33,7 @@ from bytecheckpoint.dist.comm import Comm
 from bytecheckpoint.state.flatten import top_level_placeholders
 
 from . import _compat as compat
+from . import _data
 from . import _folders as folders
 from . import _peft as peft
 from . import _rng as rng
@@ -60,7 +61,7 @@ class _SaveCall:
     push: Optional[str] = None
 
 
-class TrainerAttachment:
+class TrainerAttachment(_data.DataOrderMixin):
     """Handle returned by :func:`attach`. ``remove()`` restores the Trainer's own checkpointing."""
 
     def __init__(self, trainer: Any, checkpointer: "bcp.Checkpointer", *, owns_checkpointer: bool,
@@ -226,6 +227,7 @@ class TrainerAttachment:
                 info["rng"] = own
             else:
                 info["rng_per_rank"] = self._comm("save").all_gather(own)
+        info["data"] = self._data_record()  # where the data stream stands (global units; _data.py)
         state["trainer"] = info
         return state
 
@@ -299,9 +301,10 @@ class TrainerAttachment:
     def _w_prepare_for_training(self, original: Callable, max_steps: int, train_dataloader: Any,
                                 resume_from_checkpoint: Optional[str]) -> Any:
         if not self._active or resume_from_checkpoint is None or not folders.is_ours(resume_from_checkpoint):
-            return original(max_steps, train_dataloader, resume_from_checkpoint)
-        result = original(max_steps, train_dataloader, None)  # prepare without the stock loads
+            return self._data_prepared(original(max_steps, train_dataloader, resume_from_checkpoint))
+        result = self._data_prepared(original(max_steps, train_dataloader, None))  # prepare without the stock loads
         self._load(resume_from_checkpoint)
+        self._data_check(self._resumed["trainer"])  # where the data stream continues (_data.py)
         return result
 
     def _load(self, folder: str) -> None:
@@ -419,7 +422,8 @@ def _world(trainer: Any) -> int:
 
 
 def attach(trainer: Any, checkpointer: Optional["bcp.Checkpointer"] = None, *, async_save: Optional[bool] = None,
-           storage_options: Optional[dict] = None, log_metrics: Optional[bool] = None) -> TrainerAttachment:
+           storage_options: Optional[dict] = None, log_metrics: Optional[bool] = None,
+           strict_data_order: bool = False) -> TrainerAttachment:
     """Make ``trainer`` save and resume checkpoints through bytecheckpoint (``checkpoint-<step>/
     bytecheckpoint``), reshardable to any process count and layout.
 
@@ -434,6 +438,8 @@ def attach(trainer: Any, checkpointer: Optional["bcp.Checkpointer"] = None, *, a
         storage_options: for remote storage; default: the checkpointer's.
         log_metrics: ``checkpoint/...`` metrics (stall, save/load seconds, bytes, throughput) through
             ``Trainer.log`` (default on unless BCP_LOG_METRICS=0; docs/monitoring.md).
+        strict_data_order: a resume whose data would not continue step for step (a changed global
+            batch) raises instead of warning; ``attachment.data_order`` holds the line (docs/data.md).
     """
     from transformers import Trainer
 
@@ -458,5 +464,6 @@ def attach(trainer: Any, checkpointer: Optional["bcp.Checkpointer"] = None, *, a
         owns = False
     attachment = TrainerAttachment(trainer, checkpointer, owns_checkpointer=owns, async_save=async_save,
                                    storage_options=storage_options, log_metrics=log_metrics)
+    attachment._strict_data_order = bool(strict_data_order)
     attachment._install()
     return attachment
