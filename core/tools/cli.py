@@ -227,6 +227,19 @@ def _dtype(text: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _at_least(low: int):
+    """An argparse type: an integer >= low (bad input gets argparse's usage error, exit 2)."""
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            n = low - 1
+        if n < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}")
+        return n
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bytecheckpoint", description="Inspect, verify and convert checkpoints")
     sub = p.add_subparsers(dest="command", required=True)
@@ -235,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("path")
     s.add_argument("--all", action="store_true", help="list every tensor (the default up to 30 tensors)")
     s.add_argument("--group", metavar="PREFIX", help="list the tensors and plain values under PREFIX")
-    s.add_argument("--depth", type=int, default=1, help="key parts that make a group (default 1)")
+    s.add_argument("--depth", type=_at_least(1), default=1, help="key parts that make a group (default 1)")
     s.add_argument("--wide", action="store_true", help="never fold long names (one line per tensor, for grep)")
     s.add_argument("--json", action="store_true", help="machine-readable output")
     s.set_defaults(func=cmd_inspect)
@@ -247,7 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("paths", nargs="+", metavar="PATH")
     s.add_argument("--load", action="store_true", help="the last load of the checkpoint instead of its save")
     s.add_argument("--details", action="store_true", help="sub-phases (write.pack, read.io, ...) too")
-    s.add_argument("--top", type=int, default=3, help="slowest ranks shown per phase (default 3)")
+    s.add_argument("--top", type=_at_least(0), default=3, help="slowest ranks shown per phase (default 3)")
     s.add_argument("--json", action="store_true", help="machine-readable report")
     s.add_argument("--trace", metavar="FILE", help="write a Chrome / Perfetto trace (one process per rank)")
     s.add_argument("--plot", metavar="FILE", help="draw every rank's phases (png, svg, pdf; needs matplotlib)")

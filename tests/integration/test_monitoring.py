@@ -78,6 +78,14 @@ def test_stats_of_several_checkpoints_one_line_each(tmp_path, capsys):
     assert code == 2 and "--trace and --plot take one PATH" in err
 
 
+@pytest.mark.parametrize("argv", [("stats", "ck", "--top", "-1"), ("inspect", "ck", "--depth", "0"),
+                                  ("inspect", "ck", "--depth", "x")])
+def test_cli_counts_out_of_range_are_usage_errors(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(list(argv))
+    assert exc.value.code == 2 and "must be an integer >= " in capsys.readouterr().err
+
+
 def test_async_save_stats_complete_once_done(tmp_path):
     with bcp.Checkpointer(async_save=True) as ck:
         ck.save(tmp_path / "a", _state())        # a second save copies early (the cached plan)
