@@ -89,19 +89,21 @@ class _AdapterStateDict:
     returned tensor is not one of the model's own (a transformed value), nothing is kept."""
 
     def __init__(self, model: Any, adapter: str) -> None:
-        self.model, self.adapter = model, adapter
+        # weak: _SAVING's entry (keyed weakly by the model) must not keep the model alive
+        self._model, self.adapter = weakref.ref(model), adapter
         self.fingerprint: Optional[tuple] = None
         self.names: Dict[str, str] = {}
 
     def __call__(self) -> Dict[str, Any]:
         from peft.utils import get_peft_model_state_dict
 
-        full = self.model.state_dict()
-        fingerprint = (tuple((n, id(c)) for n, c in self.model.peft_config.items()),
+        model = self._model()
+        full = model.state_dict()
+        fingerprint = (tuple((n, id(c)) for n, c in model.peft_config.items()),
                        tuple((k, _identity(v)) for k, v in full.items()))
         if fingerprint == self.fingerprint:
             return {k: full[name] for k, name in self.names.items()}
-        out = get_peft_model_state_dict(self.model, adapter_name=self.adapter)
+        out = get_peft_model_state_dict(model, adapter_name=self.adapter)
         by_identity = {_identity(v): k for k, v in full.items()}
         names = {k: by_identity.get(_identity(v)) for k, v in out.items()}
         ok = all(n is not None for n in names.values())

@@ -396,3 +396,10 @@ def test_adapter_state_dict_is_peft_s_own_and_follows_changes_to_the_model() -> 
                        torch.ones_like(lora["default"].weight))
     model.resize_token_embeddings(80)  # another vocabulary: peft then saves the embeddings too ("auto")
     check()
+    import gc
+    import weakref
+
+    gone = weakref.ref(model)
+    del model, lora, first, view
+    gc.collect()
+    assert gone() is None  # what is kept between saves does not keep the model alive
