@@ -39,8 +39,10 @@ class SaveStats(dict):
 
     @property
     def done(self) -> bool:
-        """The save finished on this rank (committed, or failed) and these numbers are final."""
-        return self._rec.done if self._rec.enabled else "total_s" in self
+        """The save finished on this rank (committed, or failed) and these numbers are final.
+        With recording on, total_s comes from the recorder's finish listener, which runs on the
+        job thread after the recorder is marked done: wait for both."""
+        return ("total_s" in self and self._rec.done) if self._rec.enabled else "total_s" in self
 
     @property
     def ok(self) -> bool:

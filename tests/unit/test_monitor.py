@@ -239,6 +239,29 @@ def test_metrics_feed_sync_at_once_async_stall_then_completion_once():
     assert feed.ready() == []
 
 
+def test_metrics_feed_never_hands_out_a_completion_before_its_numbers_are_in():
+    # the job thread's finish() marks the recorder done, logs, then runs its listeners (SaveStats
+    # sets total_s there): the training thread may call ready() in between
+    feed, inside, gate = MetricsFeed(), threading.Event(), threading.Event()
+    rec = Recorder("save")
+    rec.on_finish(lambda r: (inside.set(), gate.wait(10)))   # holds the window open, as a slow log handler would
+    h = _Handle(True)
+    h.stats.attach(rec)
+    h.stats.update(stall_s=0.01)
+    rec.add("write", rec.perf0, rec.perf0 + 0.1, 4_000_000, 2)
+    feed.saved(h, step=7)
+    job = threading.Thread(target=rec.finish)
+    job.start()
+    assert inside.wait(10)
+    try:
+        assert not h.stats.done and feed.ready() == []
+    finally:
+        gate.set()
+        job.join()
+    (ready,) = feed.ready()
+    assert ready["checkpoint/saved_step"] == 7.0 and ready["checkpoint/save_s"] == h.stats["total_s"]
+
+
 def test_metrics_feed_drops_failed_saves_and_saves_not_recorded():
     feed = MetricsFeed()
     a, rec = _finished_handle(True)
