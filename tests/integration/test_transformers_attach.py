@@ -28,17 +28,17 @@ from transformers_bytecheckpoint import TransformersCompatError, attach  # noqa:
 from transformers_bytecheckpoint import _folders  # noqa: E402
 
 
-def trainer(out: Path, **kw):
+def trainer(out: Path, model=None, **kw):
     from transformers import Trainer
 
     callbacks = kw.pop("callbacks", None)
     eval_dataset = kw.pop("eval_dataset", None)
-    return Trainer(model=tiny_gpt2(), args=training_args(str(out), **kw), train_dataset=Tokens(),
-                   eval_dataset=eval_dataset, callbacks=callbacks)
+    return Trainer(model=tiny_gpt2() if model is None else model, args=training_args(str(out), **kw),
+                   train_dataset=Tokens(), eval_dataset=eval_dataset, callbacks=callbacks)
 
 
-def run(out: Path, *, attached=None, resume=None, **kw):
-    t = trainer(out, **kw)
+def run(out: Path, *, attached=None, resume=None, model=None, **kw):
+    t = trainer(out, model, **kw)
     handle = attach(t, async_save=attached == "async") if attached else None
     t.train(resume_from_checkpoint=resume)
     result = {"weights": weights(t.model), "losses": losses(t), "step": t.state.global_step, "trainer": t}
@@ -309,18 +309,10 @@ def test_model_overriding_load_state_dict_is_loaded_through_it(tmp_path: Path) -
 
 # ---------------------------------------------------------------------------------------- PEFT (LoRA)
 
-def _lora_run(out: Path, *, attached=None, resume=None, **kw):
+def _lora_run(out: Path, **kw):
     from tiny import tiny_lora
-    from transformers import Trainer
 
-    eval_dataset = kw.pop("eval_dataset", None)
-    t = Trainer(model=tiny_lora(), args=training_args(str(out), **kw), train_dataset=Tokens(), eval_dataset=eval_dataset)
-    handle = attach(t, async_save=attached == "async") if attached else None
-    t.train(resume_from_checkpoint=resume)
-    result = {"weights": weights(t.model), "losses": losses(t), "step": t.state.global_step, "trainer": t}
-    if handle is not None:
-        handle.remove()
-    return result
+    return run(out, model=tiny_lora(), **kw)
 
 
 def test_lora_load_best_model_at_end_bit_exact_with_stock(tmp_path: Path) -> None:
