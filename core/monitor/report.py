@@ -14,7 +14,7 @@ from __future__ import annotations
 import bisect
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .record import PHASES, human_bytes, kind_of
@@ -72,7 +72,7 @@ class StatsReport:
 
     def to_dict(self) -> Dict[str, Any]:
         """JSON form (`stats --json`): everything but the raw records, plus each rank's phase seconds."""
-        out = asdict(self)
+        out = asdict(replace(self, records={}))   # asdict would deep-copy every record's spans first
         out.pop("records")
         out["per_rank"] = {str(r): {n: p["us"] / 1e6 for n, p in rec["phases"].items()}
                            for r, rec in sorted(self.records.items())}
