@@ -129,7 +129,8 @@ def train(args: argparse.Namespace) -> None:
             if first and main:
                 log.write(event="resumed" if restarted else "started", step=progress.step,
                           world_size=accelerator.num_processes, resume_s=ready - T_PROCESS_START,
-                          ready_unix=ready, load_s=load_s, eval_loss=eval_loss)
+                          ready_unix=ready, load_s=load_s, eval_loss=eval_loss,
+                          data_order=attachment.data_order if attachment is not None else None)
             first = False
             loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
             accelerator.backward(loss)

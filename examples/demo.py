@@ -76,6 +76,14 @@ def _mean(xs):
     return statistics.mean(xs) if xs else float("nan")
 
 
+def _lines(report) -> list:
+    """A resume's data-order report: one line (Lightning) or one per prepared loader (Accelerate)."""
+    if not report:
+        return ["(none reported)"]
+    lines = [s.replace("data order: ", "", 1) for s in ([report] if isinstance(report, str) else report)]
+    return [s.split("): ", 1)[0] + ")" if s.startswith("exact (") and "): " in s else s for s in lines]
+
+
 def table(results: dict) -> str:
     names = [n for n in FRAMEWORKS if n in results]
     rows = [("", [results[n]["title"] for n in names])]
@@ -109,6 +117,7 @@ def table(results: dict) -> str:
         lambda r: f"{r['bytecheckpoint']['load_s']:.2f} s")
     row("held-out loss of saved weights: at save (2 procs) / after resume (1 proc)",
         lambda r: f"{r['bytecheckpoint']['eval_at_save']:.5f} / {r['bytecheckpoint']['eval_after_resume']:.5f}")
+    row("data order after the resume (issue 32)", lambda r: "; ".join(_lines(r["bytecheckpoint"].get("data_order"))))
     row("train loss: step 1 / last 3 before checkpoint / first 3 after resume",
         lambda r: f"{r['bytecheckpoint']['first_loss']:.3f} / {r['bytecheckpoint']['loss_before']:.3f} / "
                   f"{r['bytecheckpoint']['loss_after']:.3f}")

@@ -139,7 +139,8 @@ def train(args: argparse.Namespace) -> None:
             if self.first and trainer.is_global_zero:
                 log.write(event="resumed" if restarted else "started", step=trainer.global_step,
                           world_size=trainer.world_size, resume_s=self.ready - T_PROCESS_START,
-                          ready_unix=self.ready, load_s=getattr(io, "load_s", None), eval_loss=self.eval_loss)
+                          ready_unix=self.ready, load_s=getattr(io, "load_s", None), eval_loss=self.eval_loss,
+                          data_order=getattr(io, "data_order_report", None))
             self.first = False
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):

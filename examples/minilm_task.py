@@ -342,7 +342,7 @@ def summarize(records: List[Dict[str, Any]], stop_phase: str = "train", resume_p
     if resumed:
         r = resumed[0]
         out.update(resumed_from=r["step"], resume_world=r["world_size"], resume_s=r.get("resume_s"),
-                   load_s=r.get("load_s"), eval_after_resume=r.get("eval_loss"),
+                   load_s=r.get("load_s"), eval_after_resume=r.get("eval_loss"), data_order=r.get("data_order"),
                    recovery_s=r.get("ready_unix", r["time"]) - killed[0]["time"] if killed else None)
         at_save = [s for s in saves if s["step"] == r["step"]]
         out["eval_at_save"] = at_save[0].get("eval_loss") if at_save else None
@@ -373,6 +373,8 @@ def report(r: Dict[str, Any]) -> None:
                   f"{r['eval_after_resume']:.6f} after the resume")
         print(f"training loss: {r['first_loss']:.3f} at step 1, {r['loss_before']:.3f} just before the checkpoint, "
               f"{r['loss_after']:.3f} just after the resume")
+        if r.get("data_order"):
+            print("\n".join(r["data_order"]) if isinstance(r["data_order"], list) else r["data_order"])
     if "reloaded" in r and "final" in r:
         print(f"export: {r['export_dir']} ({r['export_s']:.1f}s); from_pretrained held-out loss "
               f"{r['reloaded']['loss']:.6f} vs {r['final']['eval_loss']:.6f} at the end of training")

@@ -63,6 +63,9 @@ def check_story(r: dict) -> None:
     # the 1-process job starts from exactly the weights the 2-process job saved
     assert r["eval_after_resume"] == pytest.approx(r["eval_at_save"], abs=1e-6)
     assert r["load_s"] is not None and r["load_s"] > 0
+    # and continues the data stream where the 2-process job stood (issue 32)
+    report = r["data_order"] if isinstance(r["data_order"], list) else [r["data_order"]]
+    assert report and all(line.startswith("data order: exact") for line in report), report
     # the export is a normal Hugging Face model with the trained weights
     assert r["class"] == "BertForSequenceClassification"
     assert r["reloaded"]["loss"] == pytest.approx(r["final"]["eval_loss"], abs=1e-6)
