@@ -53,9 +53,10 @@ def unsupported(dl: Any) -> Optional[str]:
     sampler = global_sampler(dl)
     if isinstance(sampler, (SeededOrder, GeneratorOrder, SequentialSampler)):
         return None
-    if type(sampler) is RandomSampler and not sampler.replacement and sampler.num_samples == len(sampler.data_source):
-        return None
-    if isinstance(sampler, SeedableRandomSampler) and not sampler.replacement:
+    if type(sampler) is RandomSampler or isinstance(sampler, SeedableRandomSampler):
+        if sampler.replacement or sampler.num_samples != len(sampler.data_source):
+            # an epoch is not one permutation of the dataset: the global orders cannot stand in for it
+            return f"a {type(sampler).__name__} with replacement or num_samples has no epoch order"
         return None
     return f"the sampler is a {type(sampler).__name__}"
 

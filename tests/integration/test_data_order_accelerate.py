@@ -117,3 +117,30 @@ def test_one_process_in_process(tmp_path):
     acc.load_state(str(tmp_path / "with"))
     assert att.data_order[0].startswith("data order: not step for step: global batch 12 -> 24"), att.data_order
     att.remove()
+
+
+def test_sampler_without_one_permutation_per_epoch_is_left_alone():
+    """use_seedable_sampler=True over RandomSampler(num_samples=12) of 40 samples: Accelerate's
+    SeedableRandomSampler yields 12 indices an epoch. The adapter must not adopt it (a global
+    order is a whole permutation: it yielded all 40 before); the record says why."""
+    from accelerate import Accelerator
+    from accelerate.utils import DataLoaderConfiguration
+    from torch.utils.data import DataLoader, RandomSampler, TensorDataset
+
+    from accelerate_bytecheckpoint import _data, attach
+
+    def epoch(attached):
+        acc = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
+        ds = TensorDataset(torch.arange(40))
+        att = attach(acc) if attached else None
+        dl = acc.prepare(DataLoader(ds, batch_size=4, sampler=RandomSampler(ds, num_samples=12)))
+        ids = [int(i) for (x,) in dl for i in x]
+        record = _data.record(dl, acc.num_processes)
+        if att is not None:
+            att.remove()
+        return ids, record
+
+    stock, _ = epoch(False)
+    ids, record = epoch(True)
+    assert len(stock) == 12 and ids == stock, "the same epoch as stock Accelerate's"
+    assert record == {"unsupported": "a SeedableRandomSampler with replacement or num_samples has no epoch order"}
