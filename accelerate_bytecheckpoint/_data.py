@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 from accelerate.data_loader import DataLoaderShard, SeedableRandomSampler
-from bytecheckpoint.data import DataPosition, GeneratorOrder, SeededOrder
+from bytecheckpoint.data import DataPosition, GeneratorOrder, SeededOrder, keep_hint
 from bytecheckpoint.state.flatten import top_level_placeholders
 from torch.utils.data import BatchSampler, IterableDataset, RandomSampler, SequentialSampler
 
@@ -110,7 +110,7 @@ def restore(dl: Any, saved: Dict[str, Any], world: int) -> str:
     if pos.global_batch != g:
         return (f"data order: not step for step: global batch {pos.global_batch} -> {g}; epoch {pos.epoch}'s order "
                 f"is restored, but skip_first_batches(dl, k) counts batches of {g}: skip the samples already trained "
-                f"divided by {g} to continue by sample count")
+                f"divided by {g} to continue by sample count; {keep_hint(pos.global_batch, world)}")
     return (f"data order: exact (epoch {pos.epoch}'s order restored, {pos.world_size} -> {world} processes, global "
             f"batch {g}): skipping the completed steps continues step for step")
 

@@ -18,7 +18,7 @@ import os
 import weakref
 from typing import Any, Optional, Tuple
 
-from bytecheckpoint.data import DataPosition, ElasticSampler, StatefulLoaderMixin, Verdict, make_stateful
+from bytecheckpoint.data import DataPosition, ElasticSampler, StatefulLoaderMixin, Verdict, keep_hint, make_stateful
 from lightning.fabric.utilities.types import _Stateful
 from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.trainer.states import RunningStage
@@ -73,8 +73,8 @@ def _untrained_tail(loader: StatefulLoaderMixin, trainer: Any, saved: DataPositi
         return None
     return Verdict(False, f"data order: not exact: global batch {saved.global_batch} -> {g_new}: Lightning ends epoch "
                           f"{saved.epoch} after {len(loader)} batches (its count goes on from {done}), so {untrained} "
-                          f"of its {n} samples are never trained; keep the global batch at {saved.global_batch} to "
-                          f"resume exactly", skipped=untrained)
+                          f"of its {n} samples are never trained; "
+                          f"{keep_hint(saved.global_batch, loader.elastic_sampler.num_replicas)}", skipped=untrained)
 
 
 def _without_record(trainer: Any, loader: StatefulLoaderMixin) -> Verdict:

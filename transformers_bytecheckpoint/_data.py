@@ -18,7 +18,7 @@ import math
 from typing import Any, Dict, Optional
 
 from accelerate.data_loader import SeedableRandomSampler
-from bytecheckpoint.data import DataPosition, Verdict
+from bytecheckpoint.data import DataPosition, Verdict, keep_hint
 from torch.utils.data import BatchSampler, SequentialSampler
 
 logger = logging.getLogger(__name__)
@@ -113,8 +113,8 @@ def check(saved: Optional[Dict[str, Any]], run: _Run, trainer: Any) -> Verdict:
                               f"step: {change}")
     what = f"{-diff} samples trained twice" if diff < 0 else f"{diff} samples skipped"
     return Verdict(False, f"data order: not exact: {change}: {where}: {what}. The Trainer counts optimizer steps, and "
-                          f"continuing by samples would change global_step, the LR schedule and max_steps; keep the "
-                          f"global batch at {old.global_batch} to resume exactly",
+                          f"continuing by samples would change global_step, the LR schedule and max_steps; "
+                          f"{keep_hint(old.global_batch, run.world)}",
                    replayed=max(0, -diff), skipped=max(0, diff))
 
 

@@ -87,6 +87,15 @@ class Verdict:
         return self.line
 
 
+def keep_hint(global_batch: int, world: int) -> str:
+    """How a resume on ``world`` processes goes step for step again: the saved global batch kept,
+    or, where ``world`` does not divide it, that no per-process batch can."""
+    if world > 0 and global_batch % world == 0:
+        return f"keep the global batch at {global_batch} ({global_batch // world} per process) to resume step for step"
+    return (f"no per-process batch resumes step for step on {world} processes: the saved global batch "
+            f"{global_batch} is not divisible by {world}")
+
+
 def verdict(saved: DataPosition, *, dataset_len: int, global_batch: int, world: int) -> Verdict:
     """The resume of ``saved`` on ``world`` processes taking ``global_batch`` samples per step."""
     if saved.dataset_len != dataset_len:
@@ -97,6 +106,5 @@ def verdict(saved: DataPosition, *, dataset_len: int, global_batch: int, world: 
     if saved.global_batch and global_batch and saved.global_batch != global_batch:
         return Verdict(False, f"data order: continues by sample count (no sample replayed or skipped), not step for "
                               f"step: global batch {saved.global_batch} -> {global_batch} ({global_batch // world} "
-                              f"per process x {world} processes); keep it at {saved.global_batch} to resume step for "
-                              f"step ({where})")
+                              f"per process x {world} processes); {keep_hint(saved.global_batch, world)} ({where})")
     return Verdict(True, f"data order: exact ({where}, {saved.world_size} -> {world} processes)")

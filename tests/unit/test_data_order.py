@@ -127,6 +127,19 @@ def test_changed_global_batch_continues_by_sample_count():
     assert "global batch 12 -> 9" in verdict.line
 
 
+def test_global_batch_the_new_world_cannot_keep_is_named():
+    """Saved with 12 per step on 2; on 5 processes no per-process batch gives 12: the line says
+    so (it told the user to keep 12 before), and the stream still continues by sample count."""
+    n = 96
+    got, verdict = resumed(n, 12, 5, 3, load_g=10, epochs=1)  # 2 per process x 5 processes
+    c = collections.Counter(i for s in got[0] for i in s)
+    assert set(c) == set(range(n)) and set(c.values()) == {1}, "nothing skipped, nothing replayed"
+    assert "global batch 12 -> 10" in verdict.line
+    assert "the saved global batch 12 is not divisible by 5" in verdict.line and "keep" not in verdict.line
+    _, kept = resumed(n, 12, 3, 3, load_g=9, epochs=1)
+    assert "keep the global batch at 12 (4 per process)" in kept.line
+
+
 def test_end_of_epoch_record_starts_the_next_epoch():
     n, g = 96, 12
     dls = loaders(n, 2, g)
