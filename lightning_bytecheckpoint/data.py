@@ -19,7 +19,6 @@ import weakref
 from typing import Any, Optional, Tuple
 
 from bytecheckpoint.data import DataPosition, ElasticSampler, StatefulLoaderMixin, Verdict, keep_hint, make_stateful
-from lightning.fabric.utilities.types import _Stateful
 from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -149,7 +148,8 @@ def _elastic_kwargs(dataloader: DataLoader, trainer: Any) -> Tuple[Optional[dict
     sampler = dataloader.sampler
     if isinstance(dataloader.dataset, IterableDataset):
         return None, "an IterableDataset has no reshardable position"
-    if isinstance(dataloader, _Stateful):
+    if callable(getattr(dataloader, "state_dict", None)) and callable(getattr(dataloader, "load_state_dict", None)):
+        # what Lightning's (private) _Stateful protocol checks before it saves a loader's state
         return None, (f"{type(dataloader).__name__} keeps its own per-process state (exact on the same process "
                       f"count only)")
     if dataloader.batch_sampler is None:
