@@ -45,8 +45,8 @@ class _LightningLoader(StatefulLoaderMixin):
     def _on_resume(self, saved: DataPosition, result: Verdict) -> Verdict:
         self._bcp_checked = True
         trainer = self._bcp_trainer() if self._bcp_trainer is not None else None
-        if trainer is not None and not result.exact and saved.dataset_len == len(self.elastic_sampler.dataset):
-            result = _untrained_tail(self, trainer, saved) or result
+        if trainer is not None and not result.exact:
+            result = _untrained_tail(self, trainer, saved, result) or result
         _report(self._bcp_io, result)
         return result
 
@@ -60,32 +60,36 @@ class _LightningLoader(StatefulLoaderMixin):
         return super().__iter__()
 
 
-def _untrained_tail(loader: StatefulLoaderMixin, trainer: Any, saved: DataPosition) -> Optional[Verdict]:
-    """A larger global batch: Lightning ends the epoch after ``len(loader)`` batches in all (its
-    batch counter continues from the saved step), before the rest of the epoch is trained."""
-    saved = saved.normalized()
-    n, consumed = saved.dataset_len, saved.consumed or 0
-    g_new = (loader.batch_size or 1) * loader.elastic_sampler.num_replicas
+def _untrained_tail(loader: StatefulLoaderMixin, trainer: Any, saved: DataPosition, result: Verdict) -> Optional[Verdict]:
+    """Lightning ends the epoch after ``len(loader)`` batches in all (its batch counter continues
+    from the saved step), before the rest of the epoch is trained: with a larger global batch, or
+    another dataset length (the sampler then starts the epoch from its first sample)."""
+    sampler = loader.elastic_sampler
+    n, start = len(sampler.dataset), sampler.resume_at
+    g_new = (loader.batch_size or 1) * sampler.num_replicas
     done = trainer.fit_loop.epoch_loop.batch_progress.current.ready  # this epoch's batches Lightning counts as run
-    untrained = (n - consumed) - max(0, len(loader) - done) * g_new
+    untrained = (n - start) - max(0, len(loader) - done) * g_new
     if untrained <= 0:
         return None
-    return Verdict(False, f"data order: not exact: global batch {saved.global_batch} -> {g_new}: Lightning ends epoch "
-                          f"{saved.epoch} after {len(loader)} batches (its count goes on from {done}), so {untrained} "
-                          f"of its {n} samples are never trained; "
-                          f"{keep_hint(saved.global_batch, loader.elastic_sampler.num_replicas)}", skipped=untrained)
+    ends = (f"Lightning ends epoch {sampler.epoch} after {len(loader)} batches (its count goes on from {done}), so "
+            f"{untrained} of its {n} samples are never trained")
+    if saved.dataset_len != n:
+        return Verdict(False, f"{result.line}, but {ends}", skipped=untrained)
+    return Verdict(False, f"data order: not exact: global batch {saved.global_batch} -> {g_new}: {ends}; "
+                          f"{keep_hint(saved.global_batch, sampler.num_replicas)}", skipped=untrained)
 
 
 def _without_record(trainer: Any, loader: StatefulLoaderMixin) -> Verdict:
     """A resume Lightning handed no position: at an epoch's start (an epoch-end checkpoint; Lightning
-    hands positions over mid-epoch only) the epoch's own order follows; mid-epoch it does not."""
+    hands positions over mid-epoch only) the epoch runs whole, in this run's order (whether that is
+    the saved run's is not known); mid-epoch samples are replayed and skipped."""
     done, epoch = trainer.fit_loop.epoch_loop.batch_progress.current.ready, trainer.current_epoch
-    if done == 0 or done >= len(loader):
-        n = loader.elastic_sampler.num_replicas
-        return Verdict(True, f"data order: exact (resumed at the start of an epoch, on {n} process{'es' * (n != 1)})")
-    return Verdict(False, f"data order: not exact: the checkpoint holds no data position (saved without "
-                          f"ByteCheckpointIO's data order); Lightning counts {done} batches of epoch {epoch} as done "
-                          f"but starts its loader from the first batch: some samples are trained twice, others never")
+    why = "data order: the checkpoint holds no data position (saved without ByteCheckpointIO's data order)"
+    if done == 0 or done >= len(loader):  # all batches done: Lightning goes on with the next epoch
+        return Verdict(False, f"{why}; resumed at the start of epoch {epoch + (done > 0)}: it runs whole, in this run's order "
+                              f"(seed {loader.elastic_sampler.seed}), which may not be the saved run's")
+    return Verdict(False, f"{why}; Lightning counts {done} batches of epoch {epoch} as done but starts its loader "
+                          f"from the first batch: some samples are trained twice, others never")
 
 
 def _report(io_ref: Optional[weakref.ref], result: Verdict) -> None:

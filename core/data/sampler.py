@@ -59,6 +59,11 @@ class ElasticSampler(DistributedSampler):
         return
         yield  # a generator: runs when the pass's last index has been taken
 
+    @property
+    def resume_at(self) -> int:
+        """Positions of the current epoch's order the next pass skips (a loaded position; else 0)."""
+        return self._resume
+
     def position(self, steps: int, batch_size: int, *, drop_last_batch: bool = False) -> DataPosition:
         """The position after ``steps`` batches of ``batch_size`` per process were handed out by
         the current pass (``steps == 0``: where the next pass starts)."""

@@ -48,7 +48,7 @@ def _script(argv):
         json.dump({"seen": model.seen, "report": io.data_order_report}, f)
 
 
-def fit(out, tag, devices, batch, *, save_at=(), resume=None, sampler=None, data_order=True, epochs=2, **kw):
+def fit(out, tag, devices, batch, *, save_at=(), resume=None, sampler=None, data_order=True, epochs=2, n=N, **kw):
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -73,7 +73,7 @@ def fit(out, tag, devices, batch, *, save_at=(), resume=None, sampler=None, data
             if trainer.global_step in save_at:
                 trainer.save_checkpoint(Path(out) / f"{tag}_step{trainer.global_step}.ckpt")
 
-    data = TensorDataset(torch.arange(N))
+    data = TensorDataset(torch.arange(n))
     loader = DataLoader(data, batch_size=batch, shuffle=sampler is None, sampler=sampler)
     io = ByteCheckpointIO(data_order=data_order)
     trainer = pl.Trainer(accelerator="cpu", devices=devices, max_epochs=epochs, logger=False, enable_progress_bar=False,
@@ -170,8 +170,22 @@ def test_one_device_reports(tmp_path):
     assert {k: sorted(v) for k, v in model.seen.items()} == _stock_steps(1), "DistributedSampler's order"
     ckpt = str(tmp_path / "one_step3.ckpt")
     pl.seed_everything(SEED)
-    _, model, io = fit(tmp_path, "off", 1, 12, resume=ckpt, data_order=False, epochs=1)
+    _, model, io = fit(tmp_path, "off", 1, 12, resume=ckpt, data_order=False, epochs=1, save_at=(8,))
     assert io.data_order_report is None and min(model.seen) == 3  # Lightning's own mid-epoch resume (no error)
+    pl.seed_everything(SEED)
+    _, model, io = fit(tmp_path, "norec", 1, 12, resume=str(tmp_path / "off_step8.ckpt"))
+    # an epoch-end checkpoint without a record: epoch 1 runs whole, and the line does not claim "exact"
+    assert sorted(model.seen) == list(range(8, 16)), sorted(model.seen)
+    assert io.data_order_report.startswith("data order: the checkpoint holds no data position (saved without "
+                                           "ByteCheckpointIO's data order); resumed at the start of epoch 1"), \
+        io.data_order_report
+    pl.seed_everything(SEED)
+    _, model, io = fit(tmp_path, "shorter", 1, 12, resume=ckpt, epochs=1, n=90)
+    # another dataset length restarts the epoch's order, and Lightning's count (3 done of 8) ends it after 5 batches
+    assert sorted(model.seen) == [3, 4, 5, 6, 7], sorted(model.seen)
+    assert io.data_order_report.startswith("data order: not exact: the dataset has 90 samples, the checkpoint's had "
+                                           "96"), io.data_order_report
+    assert "30 of its 90 samples are never trained" in io.data_order_report, io.data_order_report
     pl.seed_everything(SEED)
     _, model, io = fit(tmp_path, "big", 1, 24, resume=ckpt, epochs=1)
     # Lightning's count goes on from 3 batches: 1 more batch of 24 ends epoch 0 of 4 batches; 60 - 24 = 36 untrained
