@@ -50,6 +50,10 @@ class _LightningLoader(StatefulLoaderMixin):
         _report(self._bcp_io, result)
         return result
 
+    def __getstate__(self) -> dict:
+        # the plugin and trainer are weak references (not picklable, and local to this process)
+        return {k: v for k, v in self.__dict__.items() if k not in ("_bcp_io", "_bcp_trainer")}
+
     def __iter__(self):
         if not self._bcp_checked:  # the first pass of a resume whose checkpoint handed no position over
             self._bcp_checked = True

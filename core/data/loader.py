@@ -94,6 +94,7 @@ def report(result: Verdict) -> None:
 
 
 _CLASSES: Dict[tuple, type] = {}
+_BASE = "_bcp_loader_base"  # class attribute of a switched class: the loader's own class
 
 
 def stateful_class(base: type, mixin: type = StatefulLoaderMixin) -> type:
@@ -102,9 +103,23 @@ def stateful_class(base: type, mixin: type = StatefulLoaderMixin) -> type:
         return base
     key = (mixin, base)
     if key not in _CLASSES:
-        _CLASSES[key] = type(base.__name__, (mixin, base), {"__module__": base.__module__,
-                                                            "__qualname__": base.__qualname__})
+        _CLASSES[key] = type(base.__name__, (mixin, base), {"__module__": base.__module__, _BASE: base,
+                                                            "__qualname__": base.__qualname__, "__reduce_ex__": _reduce})
     return _CLASSES[key]
+
+
+def _reduce(self: DataLoader, protocol: int) -> tuple:
+    """Pickling a switched loader: its class is found by name as ``base``, not the switched class
+    (pickle refuses); rebuilt as the same switched class (lightning_bytecheckpoint/_class_switch's way)."""
+    cls = type(self)
+    state = self.__getstate__() if hasattr(self, "__getstate__") else self.__dict__
+    return _rebuild, (cls.__dict__[_BASE], cls.__bases__[0]), state
+
+
+def _rebuild(base: type, mixin: type) -> DataLoader:
+    obj = base.__new__(base)
+    obj.__class__ = stateful_class(base, mixin)
+    return obj
 
 
 def make_stateful(loader: DataLoader, mixin: type = StatefulLoaderMixin) -> DataLoader:

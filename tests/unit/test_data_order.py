@@ -230,6 +230,24 @@ def test_make_stateful_keeps_the_loader_class():
         DataPosition.from_state({"format": "bytecheckpoint.data/9"})
 
 
+def test_stateful_loaders_pickle():
+    """A loader switched by make_stateful pickles as its own switched class (pickle found the
+    class by name, i.e. the user's base class, and refused); ElasticDataLoader by name."""
+    import pickle
+
+    sampler = ElasticSampler(ids(10), num_replicas=1, rank=0, seed=1)
+    dl = make_stateful(_PicklableLoader(ids(10), batch_size=2, sampler=sampler))
+    next(iter(dl))
+    back = pickle.loads(pickle.dumps(dl))
+    assert type(back) is type(dl) and isinstance(back, _PicklableLoader) and back.state_dict() == dl.state_dict()
+    elastic = pickle.loads(pickle.dumps(ElasticDataLoader(ids(10), batch_size=2, num_replicas=1, rank=0)))
+    assert type(elastic) is ElasticDataLoader and sorted(elastic.sampler) == list(range(10))
+
+
+class _PicklableLoader(DataLoader):
+    pass
+
+
 def test_global_orders_for_frameworks_that_deal_batches():
     """SeededOrder: SeedableRandomSampler's order; a stale set_epoch never sends it back.
     GeneratorOrder: the epoch's order drawn again from the saved generator state."""
