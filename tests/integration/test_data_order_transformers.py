@@ -5,8 +5,6 @@ batch, names the samples the Trainer's step count trains twice or skips (a warni
 with strict_data_order=True) instead of shifting silently (issue 32; docs/data.md)."""
 from __future__ import annotations
 
-import collections
-import json
 import sys
 from pathlib import Path
 
@@ -17,7 +15,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from test_accelerate import launch  # noqa: E402
-from test_data_order_lightning import replayed_and_skipped  # noqa: E402
+from test_data_order_lightning import _merged, replayed_and_skipped  # noqa: E402
 
 SCRIPT = str(HERE / "transformers_scripts" / "data_ids.py")
 N, G = 96, 12
@@ -25,13 +23,7 @@ N, G = 96, 12
 
 def _run(tmp_path, nproc, tag, batch, *args):
     launch(nproc, SCRIPT, "--out", str(tmp_path), "--tag", tag, "--batch", str(batch), *args)
-    steps, report = collections.defaultdict(list), None
-    for r in range(nproc):
-        got = json.loads((tmp_path / f"{tag}_rank{r}.json").read_text())
-        report = report or got["report"]
-        for k, ids in got["seen"].items():
-            steps[int(k)] += ids
-    return {k: sorted(v) for k, v in steps.items()}, report
+    return _merged(tmp_path, tag, nproc)  # the script writes the Lightning harness's per-rank files
 
 
 def _stock_steps():
