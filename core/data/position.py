@@ -9,6 +9,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
+from .order import per_rank_len
+
 FORMAT = "bytecheckpoint.data/1"
 
 
@@ -27,7 +29,8 @@ class DataPosition:
             this state (the generator's state at the start of the epoch).
         drop_last: the sampler's (DistributedSampler's) ``drop_last``.
         drop_last_batch: the loader's ``drop_last`` (an epoch ends before a last partial step).
-        world_size: the process count that saved it (messages only).
+        world_size: the process count that saved it (messages; with ``drop_last_batch``, where the
+            saved run's epoch ended).
     """
 
     epoch: int
@@ -56,19 +59,27 @@ class DataPosition:
             raise ValueError(f"bytecheckpoint data position without {missing}: the record is damaged")
         return cls(**{k: v for k, v in state.items() if k in names})
 
+    def _full_steps_end(self) -> int:
+        """Where the saving run's epoch ended with the loader's ``drop_last``: after its last full
+        step. DistributedSampler pads each rank first, so with ``N mod G > G - W`` the padded
+        epoch holds one more full step than ``N // G`` (N=23, G=12, W=2: 2 steps, not 1)."""
+        w, g = self.world_size, self.global_batch
+        if g <= 0 or w <= 0 or g % w:
+            return self.dataset_len // g * g if g > 0 else self.dataset_len
+        steps = per_rank_len(self.dataset_len, w, drop_last=self.drop_last) // (g // w)
+        return steps * g
+
     @classmethod
     def is_record(cls, state: Any) -> bool:
         return isinstance(state, dict) and state.get("format") == FORMAT
 
     def normalized(self) -> "DataPosition":
         """A position at the end of its epoch (every sample taken, or, with the loader's
-        ``drop_last``, less than a step left) is the start of the next epoch."""
+        ``drop_last``, every full step of the saving run taken) is the start of the next epoch."""
         c = self.consumed
         if c is None:
             return self
-        done = c >= self.dataset_len or (self.drop_last_batch and self.global_batch > 0
-                                          and self.dataset_len - c < self.global_batch)
-        if done:
+        if c >= self.dataset_len or (self.drop_last_batch and c >= self._full_steps_end()):
             return dataclasses.replace(self, epoch=self.epoch + 1, consumed=0, generator_state=None)
         return self
 

@@ -118,6 +118,19 @@ def test_last_step_padding_depends_on_the_world():
     assert [len(run(23, w, 12, epochs=1, drop_last=True)[0]) for w in (1, 2, 3, 4)] == [1, 2, 2, 2]
 
 
+@pytest.mark.parametrize("load_world", [1, 2, 3])
+def test_padded_extra_full_step_is_not_skipped(load_world):
+    """N=23, G=12, DataLoader(drop_last=True): DistributedSampler's padding makes a second full
+    step on 2 processes (11 new samples and a repeat). Saved after the first step, the epoch is not
+    over: the resume trains the second step as the uninterrupted run on the new world does (it
+    was taken for the epoch's end and skipped, 11 samples never trained, reported exact)."""
+    n, g = 23, 12
+    got, verdict = resumed(n, g, load_world, 1, drop_last=True)
+    ref_two, ref_m = run(n, 2, g, drop_last=True), run(n, load_world, g, drop_last=True)
+    assert got[0][:1] == ref_two[0][:1] and got[0][1:] == ref_m[0][1:] and got[1] == ref_m[1]
+    assert verdict.exact and "epoch 0, 12/23 samples consumed" in verdict.line
+
+
 def test_changed_global_batch_continues_by_sample_count():
     n = 96
     got, verdict = resumed(n, 12, 3, 3, load_g=9, epochs=1)  # 3 per process x 3 processes
