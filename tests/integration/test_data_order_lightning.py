@@ -37,18 +37,38 @@ def _script(argv):
     p.add_argument("--resume")
     p.add_argument("--batch", type=int, default=0, help="per device (default: the global batch 12 kept)")
     p.add_argument("--no-data-order", action="store_true", help="ByteCheckpointIO(data_order=False): stock order")
+    p.add_argument("--strategy", default="ddp", choices=["ddp", "fsdp", "deepspeed"],
+                   help="fsdp / deepspeed: on every device count, the CPU test-only subclasses of "
+                        "test_lightning_fsdp.py / test_lightning_deepspeed.py")
     args = p.parse_args(argv)
     out = Path(args.out)
     torch.set_num_threads(1)
     pl.seed_everything(SEED)
-    kw = {"strategy": DDPStrategy(timeout=timedelta(seconds=60), start_method="popen")} if args.devices > 1 else {}
-    trainer, model, io = fit(out, args.tag, args.devices, args.batch or G // args.devices, save_at=args.save_at,
-                             resume=args.resume, data_order=not args.no_data_order, **kw)
+    batch = args.batch or G // args.devices
+    if args.strategy == "fsdp":
+        from lightning.pytorch.strategies import FSDPStrategy
+
+        class CPUFSDPStrategy(FSDPStrategy):  # TEST ONLY: Lightning's CPU check is `type(s) is FSDPStrategy`
+            pass
+
+        kw = {"strategy": CPUFSDPStrategy(state_dict_type="sharded", timeout=timedelta(seconds=60))}
+    elif args.strategy == "deepspeed":
+        from test_lightning_deepspeed import _cpu_deepspeed_strategy
+
+        kw = {"strategy": _cpu_deepspeed_strategy(2)}
+        kw["strategy"].config["train_micro_batch_size_per_gpu"] = batch
+    else:
+        kw = {"strategy": DDPStrategy(timeout=timedelta(seconds=60), start_method="popen")} if args.devices > 1 else {}
+    trainer, model, io = fit(out, args.tag, args.devices, batch, save_at=args.save_at, resume=args.resume,
+                             data_order=not args.no_data_order, fsdp=args.strategy == "fsdp",
+                             # bytecheckpoint's DeepSpeed route loads Adam/AdamW state into a fresh engine, not SGD's
+                             optimizer=torch.optim.AdamW if args.strategy == "deepspeed" else torch.optim.SGD, **kw)
     with open(out / f"{args.tag}_rank{trainer.global_rank}.json", "w") as f:
         json.dump({"seen": model.seen, "report": io.data_order_report}, f)
 
 
-def fit(out, tag, devices, batch, *, save_at=(), resume=None, sampler=None, data_order=True, epochs=2, n=N, **kw):
+def fit(out, tag, devices, batch, *, save_at=(), resume=None, sampler=None, data_order=True, epochs=2, n=N,
+        fsdp=False, optimizer=torch.optim.SGD, **kw):
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -60,13 +80,20 @@ def fit(out, tag, devices, batch, *, save_at=(), resume=None, sampler=None, data
             self.lin = torch.nn.Linear(1, 1)
             self.seen = {}
 
+        def configure_model(self):
+            if fsdp:  # FSDP1 on CPU needs the module wrapped with device_id=cpu (test_lightning_fsdp.FSDPNet)
+                from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+                if not isinstance(self.lin, FSDP):
+                    self.lin = FSDP(self.lin, device_id=torch.device("cpu"), use_orig_params=True)
+
         def training_step(self, batch, batch_idx):
             (x,) = batch
             self.seen[int(self.trainer.global_step)] = [int(i) for i in x]
             return self.lin(x.float().unsqueeze(1)).pow(2).mean()
 
         def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=1e-3)
+            return optimizer(self.parameters(), lr=1e-3)
 
     class SaveAt(pl.Callback):
         def on_train_batch_end(self, trainer, *args):
@@ -132,13 +159,30 @@ def replayed_and_skipped(ref, got, stop, epoch, per_epoch=N // G):
 
 
 def test_ddp_resumes_step_for_step_on_one_and_three_devices(tmp_path):
-    run_ddp(tmp_path, "--tag", "ref", "--devices", "2", "--save-at", "3", "11", script=__file__, reports=False)
+    _check_resumes(tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["fsdp", "deepspeed"])
+def test_sharded_strategies_resume_step_for_step(tmp_path, strategy):
+    """The same runs with FSDPStrategy (sharded state dict: every rank saves, the load goes in
+    place) and DeepSpeedStrategy (ZeRO-2) on every device count: the record rides in the loops'
+    part of the checkpoint those routes save and hand back."""
+    if strategy == "deepspeed":
+        pytest.importorskip("deepspeed")
+    _check_resumes(tmp_path, "--strategy", strategy)
+
+
+def _check_resumes(tmp_path, *flags):
+    """2 processes save at steps 3 and 11; resumed on 1 from step 3 and on 3 from step 11."""
+    run_ddp(tmp_path, "--tag", "ref", "--devices", "2", "--save-at", "3", "11", *flags, script=__file__,
+            reports=False)
     ref, report = _merged(tmp_path, "ref", 2)
     assert ref == _stock_steps(2), "2 processes: Lightning's own DistributedSampler batches"
     assert report is None
     for world, stop in ((1, 3), (3, 11)):
         log = run_ddp(tmp_path, "--tag", f"r{world}", "--devices", str(world), "--resume",
-                      str(tmp_path / f"ref_step{stop}.ckpt"), script=__file__, nprocs=world, capture=True)
+                      str(tmp_path / f"ref_step{stop}.ckpt"), *flags, script=__file__, nprocs=world, capture=True)
         got, report = _merged(tmp_path, f"r{world}", world)
         assert sorted(got) == list(range(stop, 16)), f"2 -> {world}: resumed at step {stop}"
         assert {k: got[k] for k in got} == {k: ref[k] for k in got}, f"2 -> {world}: a later step differs"
