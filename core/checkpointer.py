@@ -180,7 +180,7 @@ class Checkpointer:
     def _save_resources(self) -> saving.SaveResources:
         return saving.SaveResources(self.registry, self.options.fsdp1_route, self.options.threads, self._plans,
                                     self._staging, self._runner, self._pending, lambda: self._closed, self._fence,
-                                    self.options.async_staging, self.options.io_nice)
+                                    self.options.async_staging)
 
     def load(self, path, state: Dict[str, Any], *, strict: bool = True, allow_pickle: bool = False,
              process_group: Any = _UNSET, storage_options: Any = _UNSET, tier: str = "persistent") -> Dict[str, Any]:

@@ -25,7 +25,6 @@ ENV = {
     "BCP_RECORD_STATS": "record_stats",
     "BCP_ASYNC_STAGING": "async_staging",
     "BCP_DIRECT_IO": "direct_io",
-    "BCP_IO_NICE": "io_nice",
     # older names, kept working
     "BCP_COLLECTIVE_TIMEOUT_S": "timeout_s",
     "BCP_COPY_CONCURRENCY": "io_threads",
@@ -68,8 +67,6 @@ class Options:
     # Pack files on local file systems written with O_DIRECT (no page-cache copy, same bytes):
     # "auto" (where the file system takes it, else buffered), True (an error where refused), False.
     direct_io: Union[str, bool] = "auto"
-    # Niceness of an async save's background threads once its copies landed (0: the caller's).
-    io_nice: int = 0
 
     def __post_init__(self) -> None:
         def bad(name: str, want: str) -> CheckpointError:
@@ -98,8 +95,6 @@ class Options:
         for name in ("async_staging", "direct_io"):
             if getattr(self, name) not in ("auto", True, False):
                 raise bad(name, '"auto", True or False')
-        if not isinstance(self.io_nice, int) or isinstance(self.io_nice, bool) or not 0 <= self.io_nice <= 19:
-            raise bad("io_nice", "an integer from 0 (the caller's priority) to 19 (the lowest)")
 
     @property
     def threads(self) -> int:

@@ -84,8 +84,9 @@ class Guarded:
 
 
 def _innermost(opt: Any) -> Tuple[Any, Tuple[int, ...]]:
-    """An optimizer and the ids of it and every wrapper around it (Accelerate's AcceleratedOptimizer,
-    Lightning's LightningOptimizer keep the real one in `.optimizer` / `._optimizer`)."""
+    """A torch optimizer and the ids of it and every torch-optimizer wrapper around it (Accelerate's
+    AcceleratedOptimizer keeps the real one in `.optimizer`, Lightning's LightningOptimizer in
+    `._optimizer`): the step hook sees the innermost one."""
     ids = [id(opt)]
     for _ in range(8):
         inner = getattr(opt, "optimizer", None)
@@ -104,15 +105,16 @@ def optimizers_in(state: Any, extra: Iterable[Any] = ()) -> List[Tuple[Any, Tupl
     found: Dict[int, Tuple[Any, Tuple[int, ...]]] = {}
 
     def add(v: Any) -> None:
+        if not isinstance(v, torch.optim.Optimizer):  # e.g. DeepSpeed's ZeRO optimizer: not deferred
+            return
         opt, ids = _innermost(v)
-        if isinstance(opt, torch.optim.Optimizer):
-            old = found.get(id(opt))
-            found[id(opt)] = (opt, tuple(dict.fromkeys((old[1] if old else ()) + ids)))
+        old = found.get(id(opt))
+        found[id(opt)] = (opt, tuple(dict.fromkeys((old[1] if old else ()) + ids)))
 
     def visit(v: Any, depth: int) -> None:
         if depth > 4:
             return
-        if isinstance(v, torch.optim.Optimizer) or isinstance(getattr(v, "optimizer", None), torch.optim.Optimizer):
+        if isinstance(v, torch.optim.Optimizer):
             add(v)
         elif isinstance(v, dict):
             for x in v.values():
@@ -122,7 +124,7 @@ def optimizers_in(state: Any, extra: Iterable[Any] = ()) -> List[Tuple[Any, Tupl
                 visit(x, depth + 1)
     visit(state, 0)
     for v in extra:
-        add(v)
+        add(getattr(v, "_optimizer", v) if not isinstance(v, torch.optim.Optimizer) else v)
     return list(found.values())
 
 
@@ -378,3 +380,71 @@ def cuda_capturing() -> bool:
         return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
     except RuntimeError:
         return False
+
+
+# ---------------------------------------------------------------------------------- warm-up trigger
+
+class AfterFirstSteps:
+    """Calls `fn()` once, right after each optimizer of `optimizers()` (read at every step: frameworks
+    create them late) has stepped once: the moment the state exists in full (Adam's moments are made
+    by the first step), for the adapters' automatic warm_up. A GradScaler-skipped step does not count
+    (no step ran). `fn` failing is logged, never raised into the training step. remove() disarms it,
+    and so does `optimizers()` returning None (its owner is gone). A hook that fired is taken out of
+    torch's table later (the next arming or removal), never while torch iterates over it."""
+
+    def __init__(self, optimizers: Callable[[], Optional[Sequence[Any]]], fn: Callable[[], None]):
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+        _sweep()
+        self._optimizers, self._fn = optimizers, fn
+        self._stepped: Set[int] = set()
+        self._live = True
+        self._handle = register_optimizer_step_post_hook(self._post)
+
+    @property
+    def armed(self) -> bool:
+        return self._live
+
+    def remove(self) -> None:
+        self._live = False
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+        _sweep()
+
+    def _retire(self) -> None:
+        self._live = False
+        with _HOOK_LOCK:
+            _RETIRED.append(self)
+
+    def _post(self, opt: Any, args: tuple, kwargs: dict) -> None:
+        if not self._live:
+            return
+        listed = self._optimizers()
+        if listed is None:  # the owner is gone: disarm
+            self._retire()
+            return
+        wanted = [_innermost(o)[0] for o in listed if isinstance(o, torch.optim.Optimizer)]
+        if not wanted or not any(w is opt for w in wanted):
+            return
+        self._stepped.add(id(opt))
+        if not all(id(w) in self._stepped for w in wanted):
+            return
+        self._retire()
+        try:
+            self._fn()
+        except Exception as exc:  # noqa: BLE001 - a warm-up never breaks training; the first save allocates
+            log.warning("bytecheckpoint: the automatic staging warm-up failed (the first async save will allocate "
+                        "its buffers instead): %s", exc)
+
+
+_RETIRED: List[AfterFirstSteps] = []
+
+
+def _sweep() -> None:
+    """Take fired or orphaned warm-up hooks out of torch's table (outside any step)."""
+    with _HOOK_LOCK:
+        retired, _RETIRED[:] = list(_RETIRED), []
+    for trigger in retired:
+        if trigger._handle is not None:
+            trigger._handle.remove()
+            trigger._handle = None

@@ -21,7 +21,7 @@ from ..state.flatten import TypeRegistry
 from . import gate, save_plan, stage, write
 from .handles import PendingSaves, SaveHandle
 from .staging import StagingPool
-from .workers import BackgroundRunner, Workers, lower_priority
+from .workers import BackgroundRunner, Workers
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,6 @@ class SaveResources:
     closed: Callable[[], bool]
     fence: Optional[gate.StepFence] = None  # async staging's (None: never deferred)
     async_staging: Any = "auto"             # Options.async_staging
-    io_nice: int = 0
 
 
 class Target(Protocol):
@@ -89,7 +88,7 @@ def save(res: SaveResources, target: Target, comm: Comm, state: Dict[str, Any], 
         return handle
     # 3. stage into a slot (the caller waits for this only), then 4. write and 5. commit in the background
     stage.start(res.staging(), res.runner, res.threads, early, local, data, written, handle, res.closed, t0,
-                deferral, res.io_nice, rec)
+                deferral, rec)
     _record_stall(rec, handle.stats, data)
     res.pending.add(handle)
     return handle
@@ -135,7 +134,4 @@ def warm_up(res: SaveResources, comm: Comm, state: Dict[str, Any], timeout_s: fl
     if not background:
         return res.staging().prepare(items)
 
-    def run(wait_turn) -> int:
-        lower_priority(res.io_nice)
-        return res.staging().prepare(items)
-    return res.runner.submit(run)
+    return res.runner.spawn(lambda: res.staging().prepare(items))  # not in the saves' order: a save never waits for it, only for its slot

@@ -31,7 +31,7 @@ from . import gate
 from .handles import SaveHandle
 from .save_plan import PlanCache
 from .staging import StagingPool, copy_cpu
-from .workers import BackgroundRunner, Workers, lower_priority
+from .workers import BackgroundRunner, Workers
 from .write import Written, source_of
 
 
@@ -147,6 +147,7 @@ def _queue_side_copies(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> Li
         with torch.cuda.stream(stream):
             for buf, src in items:
                 buf.copy_(src, non_blocking=True)
+                src.record_stream(stream)  # a block freed meanwhile is not handed out before this copy ran
         event = torch.cuda.Event()
         event.record(stream)
         events.append((device, event))
@@ -161,7 +162,7 @@ def copy_deferred(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> None:
 
 def start(pool: StagingPool, runner: BackgroundRunner, threads: int, early: Optional[EarlyCopies],
           local: LocalPlan, data: Sequence[torch.Tensor], written: Written, handle: SaveHandle,
-          closed: Callable[[], bool], t0: float, deferral: Optional[Deferral] = None, io_nice: int = 0,
+          closed: Callable[[], bool], t0: float, deferral: Optional[Deferral] = None,
           rec: Recorder = OFF) -> None:
     """Stage `data` (the sources of `local`'s writes), start the background write on `runner`,
     wait for the copies; fills handle._future and handle.stats. With `deferral` (async staging) the
@@ -177,7 +178,8 @@ def start(pool: StagingPool, runner: BackgroundRunner, threads: int, early: Opti
         guarded = [None if staged[i] is not None or deferral is None else deferral.of(src)
                    for i, (_, src) in enumerate(items)]
         deferred = [i for i, g in enumerate(guarded) if g is not None]
-        pool.reserve(slot, [items[i] for i, b in enumerate(staged) if b is None])  # missing buffers: one arena
+        # missing buffers: one arena (a warm_up or an earlier save of this layout allocated them already)
+        handle.stats["allocated_bytes"] = pool.reserve(slot, [items[i] for i, b in enumerate(staged) if b is None])
         for i, (k, src) in enumerate(items):
             if staged[i] is None:
                 staged[i] = staging.reserve([(k, src)])[0] if guarded[i] is not None else staging.copy(k, src)
@@ -201,7 +203,6 @@ def start(pool: StagingPool, runner: BackgroundRunner, threads: int, early: Opti
             if pending is not None:
                 out = _land(pending, cpu_pairs, gpu_events, staged, handle, rec)
             fence.wait()  # the staging copies have landed
-            lower_priority(io_nice)  # the rest (checksums, writes, commit) gives the training threads way
             wait_turn()  # after the previous save's job (beating meanwhile: a slow one is not a dead one)
             with Workers(threads) as workers:
                 try:
@@ -217,7 +218,13 @@ def start(pool: StagingPool, runner: BackgroundRunner, threads: int, early: Opti
         if not closed():  # pre-fault the other slot before this save counts as done, so a save
             pool.warm(slot)  # right after wait() copies into warm pages (a no-op once both slots are)
 
-    handle._future = runner.submit(run)
+    try:
+        handle._future = runner.submit(run)
+    except BaseException as exc:  # no thread: the steps must not wait for copies nobody makes
+        if pending is not None:
+            pending.fail(exc)
+        pool.release(slot)
+        raise
     t_wait = time.perf_counter()
     if deferral is None or not any(t.is_cuda for t in data):
         fence.wait()  # the sources may change once save() returns: their bytes must be out

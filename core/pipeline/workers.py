@@ -6,28 +6,10 @@ idle holds no thread (frameworks check for leaked threads after teardown).
 """
 from __future__ import annotations
 
-import logging
-import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterator, List, Optional, Sequence
-
-log = logging.getLogger("bytecheckpoint")
-
-
-def lower_priority(nice: int) -> None:
-    """Raise this thread's niceness to `nice` (Linux: per thread; threads it starts inherit it).
-    Only ever raised, and only on threads that end with their job: an unprivileged process could not
-    lower it again. A no-op where unsupported."""
-    if nice <= 0 or not hasattr(os, "setpriority"):
-        return
-    try:
-        tid = threading.get_native_id()
-        if os.getpriority(os.PRIO_PROCESS, tid) < nice:
-            os.setpriority(os.PRIO_PROCESS, tid, nice)
-    except (OSError, AttributeError) as exc:  # e.g. a sandbox without setpriority
-        log.debug("bytecheckpoint: io_nice=%d not applied: %s", nice, exc)
 
 
 class Workers:
@@ -104,6 +86,25 @@ class BackgroundRunner:
 
             thread = threading.Thread(target=run, name=self._name, daemon=False)
             self._last = thread
+            self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+            thread.start()
+        return future
+
+    def spawn(self, fn: Callable[[], Any], name: str = "bytecheckpoint-warm-up") -> Future:
+        """Run `fn()` on a thread of its own, outside the jobs' order (no job waits for it; join()
+        does): a background warm-up that may wait for a slot a running save holds."""
+        future: Future = Future()
+
+        def run() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # noqa: BLE001 - delivered through the future
+                future.set_exception(exc)
+
+        thread = threading.Thread(target=run, name=name, daemon=False)
+        with self._lock:
             self._threads = [t for t in self._threads if t.is_alive()] + [thread]
             thread.start()
         return future
