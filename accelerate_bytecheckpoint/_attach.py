@@ -31,7 +31,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import bytecheckpoint as bcp
 
-from . import _agreement, _data
+from . import _agreement, _data, _staging
 from ._agreement import CHECKPOINT_SUBDIR, LEGACY_MODEL_FILES, save_on_each_node
 from . import _compat as compat
 from . import _routes as routes
@@ -71,7 +71,7 @@ class _Call:
     strict: bool = True
 
 
-class ByteCheckpointAttachment(_data.DataOrderMixin):
+class ByteCheckpointAttachment(_data.DataOrderMixin, _staging.WarmUpMixin):
     """Handle returned by :func:`attach`. ``remove()`` restores Accelerate's default behaviour."""
 
     def __init__(self, accelerator: Any, checkpointer: "bcp.Checkpointer", *, owns_checkpointer: bool,
@@ -494,5 +494,6 @@ def attach(accelerator: Any, checkpointer: Optional["bcp.Checkpointer"] = None, 
                                           storage_options=storage_options, collective_save=collective_save,
                                           log_metrics=log_metrics, metrics_step=metrics_step)
     attachment._install()
+    attachment._arm_warm_up()  # staging buffers allocated after the first optimizer step (_staging.py)
     attachment._data_setup(data_order)  # loaders prepared before attach get their order too
     return attachment

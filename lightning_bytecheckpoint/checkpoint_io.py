@@ -59,6 +59,10 @@ class ByteCheckpointIO(CheckpointIO):
             (BCP_* environment variables supply its defaults); an idle engine holds no thread.
         async_save: return from a save once the state is staged; writing and commit run in the
             background. ``None``: the checkpointer's setting.
+        async_staging: with async_save, the optimizers' tensors are copied behind the next forward and
+            backward, and the optimizer step waits for them (docs/async_staging.md). ``None``: the
+            checkpointer's setting ("auto": on for GPU tensors). The staging buffers are allocated by
+            themselves after the first optimizer step (warm_up.py), not in the first save.
         storage_options: engine storage options (endpoint, credentials, ...) for every call;
             ``trainer.save_checkpoint(..., storage_options=...)`` entries take precedence.
         restore_rng: save the saving rank's torch/numpy/python (and CUDA) RNG states and restore
@@ -74,7 +78,8 @@ class ByteCheckpointIO(CheckpointIO):
 
     def __init__(self, checkpointer: Optional[bcp.Checkpointer] = None, *, async_save: Optional[bool] = None,
                  storage_options: Optional[Mapping[str, Any]] = None, restore_rng: bool = True,
-                 log_metrics: Optional[bool] = None, data_order: bool = True) -> None:
+                 log_metrics: Optional[bool] = None, data_order: bool = True,
+                 async_staging: Optional[bool] = None) -> None:
         super().__init__()
         if checkpointer is not None and not isinstance(checkpointer, bcp.Checkpointer):
             raise TypeError(f"ByteCheckpointIO(checkpointer=...) takes a bytecheckpoint.Checkpointer, got "
@@ -82,6 +87,7 @@ class ByteCheckpointIO(CheckpointIO):
         self._checkpointer = checkpointer
         self._owned: Optional[bcp.Checkpointer] = None
         self.async_save = async_save
+        self.async_staging = async_staging
         self.storage_options = _check_options(storage_options, "storage_options")
         self.restore_rng = restore_rng
         self._legacy = TorchCheckpointIO()
@@ -183,6 +189,11 @@ class ByteCheckpointIO(CheckpointIO):
         kwargs = self._call_kwargs(options)
         if self.async_save is not None:
             kwargs["async_save"] = self.async_save
+        if self.async_staging is not None:
+            kwargs["async_staging"] = self.async_staging
+        strategy = self.strategy
+        if strategy is not None and getattr(strategy, "optimizers", None):
+            kwargs["optimizers"] = list(strategy.optimizers)  # the checkpoint holds their state dicts only
         step = checkpoint.get("global_step")
         if isinstance(step, int) and not isinstance(step, bool):
             kwargs["step"] = step  # bcp.latest(dirpath) orders by it (docs/elastic.md)

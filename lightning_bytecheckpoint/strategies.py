@@ -27,6 +27,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
 from . import _class_switch, _compat, _state
+from . import warm_up as _warm_up
 
 from .checkpoint_io import ByteCheckpointIO
 
@@ -42,6 +43,7 @@ def _on_assign(strategy: Any, io: Any) -> bool:
     if isinstance(io, ByteCheckpointIO):
         adapt(strategy)
         io.connect(strategy, in_place_template)
+        _warm_up.arm(io, strategy)  # staging allocated after the first optimizer step (async saves)
     else:
         unadapt(strategy)
     return False  # the original setter stores the plugin

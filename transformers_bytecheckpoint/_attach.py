@@ -38,6 +38,7 @@ from . import _folders as folders
 from . import _peft as peft
 from . import _rng as rng
 from . import _routes as routes
+from . import _staging
 from . import _views as views
 from ._metrics import MetricsLog
 from ._model_files import write_model_files
@@ -61,7 +62,7 @@ class _SaveCall:
     push: Optional[str] = None
 
 
-class TrainerAttachment(_data.DataOrderMixin):
+class TrainerAttachment(_data.DataOrderMixin, _staging.WarmUpMixin):
     """Handle returned by :func:`attach`. ``remove()`` restores the Trainer's own checkpointing."""
 
     def __init__(self, trainer: Any, checkpointer: "bcp.Checkpointer", *, owns_checkpointer: bool,
@@ -195,6 +196,7 @@ class TrainerAttachment(_data.DataOrderMixin):
             group = {} if route.collective else {"process_group": bcp.LOCAL}
             # before the commit point: the Trainer's files durable, the weights file linked (_views.py)
             group.update(views.save_kwargs(state, route, folders.subdir(output_dir), output_dir, args.should_save))
+            group.update(self._staging_kw)  # async_staging= for a shared checkpointer (_staging.py)
             handle = self._ckpt.save(folders.subdir(output_dir), state, overwrite=True, step=int(tr.state.global_step),
                                      async_save=False if sync else self._async, **group, **self._storage)
             self.last_save = dict(handle.stats, returned_s=time.perf_counter() - t0)
@@ -423,7 +425,7 @@ def _world(trainer: Any) -> int:
 
 def attach(trainer: Any, checkpointer: Optional["bcp.Checkpointer"] = None, *, async_save: Optional[bool] = None,
            storage_options: Optional[dict] = None, log_metrics: Optional[bool] = None,
-           strict_data_order: bool = False) -> TrainerAttachment:
+           strict_data_order: bool = False, async_staging: Optional[bool] = None) -> TrainerAttachment:
     """Make ``trainer`` save and resume checkpoints through bytecheckpoint (``checkpoint-<step>/
     bytecheckpoint``), reshardable to any process count and layout.
 
@@ -440,6 +442,10 @@ def attach(trainer: Any, checkpointer: Optional["bcp.Checkpointer"] = None, *, a
             ``Trainer.log`` (default on unless BCP_LOG_METRICS=0; docs/monitoring.md).
         strict_data_order: a resume whose data would not continue step for step (a changed global
             batch) raises instead of warning; ``attachment.data_order`` holds the line (docs/data.md).
+        async_staging: with async_save, the optimizer's tensors are copied behind the next forward and
+            backward and its step waits for them (docs/async_staging.md). Default: the checkpointer's
+            ("auto": on for GPU tensors). Either way the staging buffers are allocated after the first
+            optimizer step, in the background, not by the first checkpoint.
     """
     from transformers import Trainer
 
@@ -456,7 +462,8 @@ def attach(trainer: Any, checkpointer: Optional["bcp.Checkpointer"] = None, *, a
             "state: every process writes its part into one folder, so the folder must be on a file system all "
             "nodes share. Set save_on_each_node=False (TrainingArguments), or do not attach.")
     if checkpointer is None:
-        checkpointer, owns = bcp.Checkpointer.from_env(storage_options=storage_options, async_save=async_save), True
+        checkpointer, owns = bcp.Checkpointer.from_env(storage_options=storage_options, async_save=async_save,
+                                                       async_staging=async_staging), True
     elif not isinstance(checkpointer, bcp.Checkpointer):
         raise TypeError(f"transformers_bytecheckpoint.attach: checkpointer must be a bytecheckpoint.Checkpointer, got "
                         f"{type(checkpointer).__name__}")
@@ -466,4 +473,5 @@ def attach(trainer: Any, checkpointer: Optional["bcp.Checkpointer"] = None, *, a
                                    storage_options=storage_options, log_metrics=log_metrics)
     attachment._strict_data_order = bool(strict_data_order)
     attachment._install()
+    attachment._staging_setup(async_staging, owns)
     return attachment
