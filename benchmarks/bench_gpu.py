@@ -21,6 +21,9 @@ after one step, all on the GPU; `--sizes` in GiB picks the number of blocks (~2 
                 holds the files) and cold (the files dropped from the page cache: posix_fadvise
                 DONTNEED, plus drop_caches where allowed)
   --sweep       bytecheckpoint warm GPU load at io_threads 8/16 and pinned budgets 32/64/128 MiB (4 MiB slabs)
+  loop          (issue 34; --no-loop skips it) a training loop with a save every 20 steps: no saves, the
+                blocking copy (async_staging=False), async staging, DCP async_save with async staging
+                waited before the step; the run time, the stall against the raw D2H copy (gpu_loop.py)
 """
 from __future__ import annotations
 
@@ -43,6 +46,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_real_model import Llama  # noqa: E402
 from figures import figure  # noqa: E402
+from gpu_loop import run_loop  # noqa: E402
 
 DIM, FFN, VOCAB = 1024, 2816, 32000
 GiB = 1 << 30
@@ -303,6 +307,7 @@ def main() -> None:
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--json", default=None, help="write every measurement here")
     p.add_argument("--quick", action="store_true", help="0.5 GiB only, 2 repeats")
+    p.add_argument("--no-loop", action="store_true", help="skip the training-loop measurement (issue 34)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("bench_gpu: no CUDA device; skipped (the GPU figures are measured only where a GPU is present)")
@@ -348,6 +353,19 @@ def main() -> None:
                 if f"{variant}_warm" in d:
                     figure(f"GPU async stall, warm ({tag}) vs DCP async_save {variant} stager", b["warm"],
                            d[f"{variant}_warm"], "", peer_name=f"DCP async_save, DefaultStager({label})", note=device)
+            if not args.no_loop:
+                res["loop"] = lp = run_loop(model, optim, where, repeats=max(2, args.repeats - 1))
+                print("loop", lp, flush=True)
+                st, bl, no = lp["bcp_staging"], lp["bcp_blocking"], lp["none"]
+                figure(f"GPU loop stall with async staging ({tag}) vs raw D2H", st["stall_s"], lim, "<= 0.1",
+                       peer_name="raw D2H into pinned memory (copy limit)", note=device)
+                figure(f"GPU loop run time, a save every 20 steps with async staging ({tag}) vs no saves", st["run_s"],
+                       no["run_s"], "<= 1.02", peer_name="the same loop without saves", note=device)
+                figure(f"GPU loop cost per save ({tag}): async staging vs the blocking copy", st["cost_per_save_s"],
+                       bl["cost_per_save_s"], "", peer_name="async_staging=False", note=device)
+                figure(f"GPU loop cost per save ({tag}): async staging vs DCP async staging", st["cost_per_save_s"],
+                       lp["dcp_staging"]["cost_per_save_s"], "", peer_name="DCP async_save + DefaultStager(async "
+                       "staging), waited before the step", note=device)
             if gib <= 2.5:
                 res["io"] = io = save_and_load(blocks, model, optim, root, max(1, args.repeats // 2), args.sweep)
                 print("save/load", {k: [round(x, 3) for x in v] for k, v in io.items()}, flush=True)
