@@ -134,4 +134,4 @@ def warm_up(res: SaveResources, comm: Comm, state: Dict[str, Any], timeout_s: fl
     if not background:
         return res.staging().prepare(items)
 
-    return res.runner.spawn(lambda: res.staging().prepare(items))  # not in the saves' order: a save never waits for it, only for its slot
+    return res.runner.spawn(lambda: res.staging().prepare(items, background=True))  # not in the saves' order: a save never waits for it, only for its slot

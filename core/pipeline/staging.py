@@ -132,9 +132,10 @@ class StagingPool:
         staging.finish()
         return out
 
-    def reserve(self, slot: Slot, items: Sequence[Tuple[BufferKey, torch.Tensor]]) -> int:
+    def reserve(self, slot: Slot, items: Sequence[Tuple[BufferKey, torch.Tensor]], background: bool = False) -> int:
         """Allocate the slot's missing buffers for `items` ((key, source-like tensor)) together;
-        returns the bytes allocated. The caller holds the slot (or it is idle: `warm`)."""
+        returns the bytes allocated. The caller holds the slot (or it is idle: `warm`).
+        `background`: off the training thread (pre-faulted by that thread alone, see allocate)."""
         missing = [(k, like) for k, like in items if not _fits(slot.buffers.get(k), like)]
         if not missing:
             return 0
@@ -142,7 +143,7 @@ class StagingPool:
         for pinned in (True, False):
             group = [(k, like) for k, like in missing if _wants_pinned(like) == pinned]
             if group:
-                for (k, _), buf in zip(group, allocate([like for _, like in group], pinned)):
+                for (k, _), buf in zip(group, allocate([like for _, like in group], pinned, background)):
                     slot.buffers[k] = buf
                     total += buf.numel() * buf.element_size()
         return total
@@ -157,13 +158,13 @@ class StagingPool:
                 continue
             shadow = Slot(slot.index)
             shadow.buffers = dict(slot.buffers)
-            if not self.reserve(shadow, list(like.buffers.items())):
+            if not self.reserve(shadow, list(like.buffers.items()), background=True):
                 continue
             with self._cond:
                 if not slot.busy:  # else a save took the slot meanwhile: its own buffers win
                     slot.buffers.update({k: b for k, b in shadow.buffers.items() if k in like.buffers})
 
-    def prepare(self, items: Sequence[Tuple[BufferKey, torch.Tensor]]) -> int:
+    def prepare(self, items: Sequence[Tuple[BufferKey, torch.Tensor]], background: bool = False) -> int:
         """Allocate every slot's buffers for a save of `items` ahead of it (Checkpointer.warm_up);
         returns the bytes allocated."""
         total = 0
@@ -173,7 +174,7 @@ class StagingPool:
                     self._cond.wait()
                 slot.busy = True
             try:
-                total += self.reserve(slot, items)
+                total += self.reserve(slot, items, background)
             finally:
                 self.release(slot)
         return total
@@ -198,10 +199,12 @@ def _wants_pinned(like: torch.Tensor) -> bool:
     return (like.is_cuda or like.is_pinned()) and torch.cuda.is_available()
 
 
-def allocate(likes: Sequence[torch.Tensor], pinned: bool) -> List[torch.Tensor]:
+def allocate(likes: Sequence[torch.Tensor], pinned: bool, background: bool = False) -> List[torch.Tensor]:
     """CPU buffers shaped like `likes`, carved out of one allocation (64-byte aligned views; those of
     BIG_ALIGN bytes or more page-aligned). Pinned: page-locked (resident already); else pre-faulted
-    now by one thread (memset), not inside the first timed copy."""
+    now, not inside the first timed copy: on the training thread with torch's threads (fastest: this is
+    that save's stall), in the background by that thread alone (one memset: no thread team of its own
+    beside the training's)."""
     offsets, total = [], 0
     for t in likes:
         nbytes = t.numel() * t.element_size()
@@ -214,7 +217,10 @@ def allocate(likes: Sequence[torch.Tensor], pinned: bool) -> List[torch.Tensor]:
     base = (-raw.data_ptr()) % PAGE
     arena = raw[base:base + max(total, 1)]
     if not pinned and total:
-        prefault(arena)
+        if background:
+            prefault(arena)
+        else:
+            arena.zero_()
     out = []
     for t, off in zip(likes, offsets):
         nbytes = t.numel() * t.element_size()
