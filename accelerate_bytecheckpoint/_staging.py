@@ -31,17 +31,7 @@ class WarmUpMixin:
     _collective, _writes and _local_state)."""
 
     def _arm_warm_up(self) -> None:
-        ref = weakref.ref(self)
-
-        def optimizers() -> Optional[list]:
-            a = ref()
-            return compat.optimizers(a._accelerator) if a is not None and a.active else None
-
-        def fire() -> None:
-            a = ref()
-            if a is not None:
-                a._warm_up_now()
-        _TRIGGERS[self] = AfterFirstSteps(optimizers, fire)
+        _TRIGGERS[self] = AfterFirstSteps(_optimizers, lambda a: a._warm_up_now(), owner=self)
 
     @property
     def warm_up_started(self) -> Any:
@@ -58,3 +48,7 @@ class WarmUpMixin:
         group = {} if collective else {"process_group": bcp.LOCAL}
         _STARTED[self] = self._ckpt.warm_up(self._local_state(), background=True, **group)
         logger.debug("bytecheckpoint: staging warm-up started after the first optimizer step")
+
+
+def _optimizers(a: WarmUpMixin) -> Optional[list]:
+    return compat.optimizers(a._accelerator) if a.active else None  # None: removed, disarm

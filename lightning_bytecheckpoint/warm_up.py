@@ -39,17 +39,17 @@ def arm(io: ByteCheckpointIO, strategy: Any) -> None:
     old = _ARMED.pop(io, None)
     if old is not None:
         old.remove()
-    io_ref, strategy_ref = weakref.ref(io), weakref.ref(strategy)
+    strategy_ref = weakref.ref(strategy)
 
-    def optimizers() -> Optional[list]:
+    def optimizers(io: ByteCheckpointIO) -> Optional[list]:
         s = strategy_ref()
-        return list(getattr(s, "optimizers", None) or ()) if s is not None and io_ref() is not None else None
+        return list(getattr(s, "optimizers", None) or ()) if s is not None else None
 
-    def fire() -> None:
-        io, s = io_ref(), strategy_ref()
-        if io is not None and s is not None:
+    def fire(io: ByteCheckpointIO) -> None:
+        s = strategy_ref()
+        if s is not None:
             warm_up(io, s)
-    _ARMED[io] = AfterFirstSteps(optimizers, fire)
+    _ARMED[io] = AfterFirstSteps(optimizers, fire, owner=io)
 
 
 def warm_up(io: ByteCheckpointIO, strategy: Any) -> None:

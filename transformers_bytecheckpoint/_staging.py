@@ -37,19 +37,7 @@ class WarmUpMixin:
     def _staging_setup(self, async_staging: Optional[bool], owns: bool) -> None:
         """A shared checkpointer gets `async_staging` per call (an owned one was built with it)."""
         self._staging_kw = {"async_staging": bool(async_staging)} if async_staging is not None and not owns else {}
-        ref = weakref.ref(self)
-
-        def optimizers() -> Optional[list]:
-            a = ref()
-            if a is None or not a.active:
-                return None
-            return [a._trainer.optimizer] if a._trainer.optimizer is not None else []
-
-        def fire() -> None:
-            a = ref()
-            if a is not None:
-                a._warm_up_now()
-        _TRIGGERS[self] = AfterFirstSteps(optimizers, fire)
+        _TRIGGERS[self] = AfterFirstSteps(_optimizers, lambda a: a._warm_up_now(), owner=self)
 
     @property
     def warm_up_started(self) -> Any:
@@ -66,3 +54,9 @@ class WarmUpMixin:
         group = {} if route.collective else {"process_group": bcp.LOCAL}
         _STARTED[self] = self._ckpt.warm_up(self._state(route, _TENSORS), background=True, **group)
         logger.debug("bytecheckpoint: staging warm-up started after the first optimizer step")
+
+
+def _optimizers(a: WarmUpMixin) -> Optional[list]:
+    if not a.active:
+        return None  # removed: disarm
+    return [a._trainer.optimizer] if a._trainer.optimizer is not None else []

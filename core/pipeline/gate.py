@@ -26,6 +26,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set,
 import torch
 
 from ..common.errors import CheckpointError
+from ..state.flatten import each_leaf
 
 log = logging.getLogger("bytecheckpoint")
 
@@ -99,30 +100,29 @@ def _innermost(opt: Any) -> Tuple[Any, Tuple[int, ...]]:
     return opt, tuple(ids)
 
 
+def _hooked(opt: Any) -> bool:
+    """Its step() runs torch's global step hooks (Optimizer.__init__ wraps the class's step): only
+    then can the fence hold it. A wrapper that never called Optimizer.__init__ around something else
+    (Accelerate's around DeepSpeed's ZeRO optimizer, whose engine steps an inner one) is not held."""
+    return bool(getattr(type(opt).step, "hooked", False))
+
+
 def optimizers_in(state: Any, extra: Iterable[Any] = ()) -> List[Tuple[Any, Tuple[int, ...]]]:
-    """The optimizers found in `state` (dicts, lists and tuples down to depth 4, like the walk's
-    parameter owners) and in `extra` (save(optimizers=...)), unwrapped, each once."""
+    """The optimizers found in `state` (its dicts, lists and tuples, as the walk finds parameter
+    owners) and in `extra` (save(optimizers=...)), unwrapped, each once; only those whose step the
+    fence can hold (anything else is copied before save() returns)."""
     found: Dict[int, Tuple[Any, Tuple[int, ...]]] = {}
 
     def add(v: Any) -> None:
         if not isinstance(v, torch.optim.Optimizer):  # e.g. DeepSpeed's ZeRO optimizer: not deferred
             return
         opt, ids = _innermost(v)
+        if not _hooked(opt):
+            return
         old = found.get(id(opt))
         found[id(opt)] = (opt, tuple(dict.fromkeys((old[1] if old else ()) + ids)))
 
-    def visit(v: Any, depth: int) -> None:
-        if depth > 4:
-            return
-        if isinstance(v, torch.optim.Optimizer):
-            add(v)
-        elif isinstance(v, dict):
-            for x in v.values():
-                visit(x, depth + 1)
-        elif isinstance(v, (list, tuple)):
-            for x in v:
-                visit(x, depth + 1)
-    visit(state, 0)
+    each_leaf(state, add)
     for v in extra:
         add(getattr(v, "_optimizer", v) if not isinstance(v, torch.optim.Optimizer) else v)
     return list(found.values())
@@ -213,7 +213,7 @@ class Pending:
         self._landed = threading.Event()
         self._lock = threading.Lock()
         self.on_wait = on_wait                     # (start, end) of each step held for this save
-        self.wait_s = 0.0
+        self.timeout_s = 600.0                     # how long a step waits (StepFence.add: Options.timeout_s)
 
     @property
     def landed(self) -> bool:
@@ -239,6 +239,7 @@ class Pending:
         with self._lock:
             self._check("while its copy was pending")
             self._landed.set()
+        _release(self)
 
     def fail(self, error: BaseException) -> None:
         with self._lock:
@@ -246,10 +247,12 @@ class Pending:
                 self.error = error if isinstance(error, CheckpointError) else CheckpointError(
                     f"async staging: copying the optimizers' tensors for {self.path!r} failed: {error}")
             self._landed.set()
+        _release(self)
 
-    def pass_fence(self, opt: Any, timeout_s: float) -> None:
+    def pass_fence(self, opt: Any) -> None:
         """The step of `opt` (the object the hook saw) may go: with GPU copies its stream waits for
-        them (no CPU block); else the thread waits until they landed."""
+        them (no CPU block); else the thread waits until they landed, at most timeout_s (then the save
+        fails and no later step waits for it)."""
         t0 = time.perf_counter()
         if self.events:
             with self._lock:
@@ -260,16 +263,12 @@ class Pending:
                 self.passed.update(mine)
             for device, event in self.events:
                 torch.cuda.current_stream(device).wait_event(event)
-        elif not self._landed.wait(timeout_s):
-            with self._lock:
-                if not self._landed.is_set() and self.error is None:
-                    self.error = CheckpointError(
-                        f"async staging: the copy for {self.path!r} did not land within {timeout_s:.0f} s (timeout_s); "
-                        f"the optimizer step went on and this save fails. Save with async_staging=False.")
-        t1 = time.perf_counter()
-        self.wait_s += t1 - t0
+        elif not self._landed.wait(self.timeout_s):
+            self.fail(CheckpointError(
+                f"async staging: the copy for {self.path!r} did not land within {self.timeout_s:.0f} s (timeout_s); "
+                f"the optimizer step went on and this save fails. Save with async_staging=False."))
         if self.on_wait is not None:
-            self.on_wait(t0, t1)
+            self.on_wait(t0, time.perf_counter())
 
     def wait(self, timeout_s: Optional[float] = None) -> bool:
         return self._landed.wait(timeout_s)
@@ -285,24 +284,65 @@ def _changed_error(path: str, key: str, g: Guard, h: Holder, was: int, now: int,
 
 
 # ---------------------------------------------------------------------------------- the fence
+#
+# torch iterates its global hook tables (OrderedDicts) on every step, on whatever thread steps: a hook
+# registered or removed meanwhile, from another thread (a save from a checkpoint thread, close()) or
+# from inside a hook, raises "OrderedDict mutated during iteration" in the training step. So the two
+# global hooks below are registered once per process (when the first Checkpointer or warm-up trigger
+# is made, at setup) and never removed; what they act on lives in immutable tuples here, replaced
+# under _LOCK, which the hooks read without a lock. With nothing pending a step pays one Python call.
+
+_LOCK = threading.Lock()
+_INSTALLED = False
+_HELD: Tuple[Pending, ...] = ()                # every Pending not landed yet, of every fence
+_FENCES: "weakref.WeakSet[StepFence]" = weakref.WeakSet()  # open fences that deferred copies
+_TRIGGERS: Tuple["AfterFirstSteps", ...] = ()  # armed warm-up triggers
+
+
+def _install() -> None:
+    """Register the global step pre-hook (the fence) and post-hook (warm-up triggers), once."""
+    global _INSTALLED
+    with _LOCK:
+        if _INSTALLED:
+            return
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+        register_optimizer_step_pre_hook(_step_pre_hook)
+        register_optimizer_step_post_hook(_step_post_hook)
+        _INSTALLED = True
+
+
+def hook_installed() -> bool:
+    return _INSTALLED
+
+
+def _hold(pending: Pending) -> None:
+    global _HELD
+    with _LOCK:
+        _HELD = tuple(p for p in _HELD if not p.landed) + (pending,)
+
+
+def _release(pending: Pending) -> None:
+    global _HELD
+    with _LOCK:
+        _HELD = tuple(p for p in _HELD if p is not pending and not p.landed)
+
 
 class StepFence:
-    """One Checkpointer's pending copies and the optimizer step pre-hook that holds steps for them
-    (one global torch hook for every live fence; removed when the last fence closes)."""
+    """One Checkpointer's pending copies (load(), restore() and close() drain them). The steps are
+    held by the process's one global step pre-hook, which looks at every fence's pending copies."""
 
     def __init__(self, timeout_s: float):
         self.timeout_s = timeout_s
         self._pending: List[Pending] = []
         self._lock = threading.Lock()
+        _install()  # at setup, not from a save that may run beside a step on another thread
 
     def add(self, pending: Pending) -> None:
+        pending.timeout_s = self.timeout_s
         with self._lock:
             self._pending = [p for p in self._pending if not p.landed] + [pending]
-        _register(self)
-
-    def holding(self, opt: Any) -> List[Pending]:
-        with self._lock:
-            return [p for p in self._pending if p.holds(opt)]
+        _FENCES.add(self)
+        _hold(pending)
 
     def pending(self) -> List[Pending]:
         with self._lock:
@@ -318,60 +358,45 @@ class StepFence:
 
     def close(self) -> None:
         self.drain()
-        _unregister(self)
+        _FENCES.discard(self)
 
 
-_FENCES: "weakref.WeakSet[StepFence]" = weakref.WeakSet()
-_HOOK: List[Any] = []
-_HOOK_LOCK = threading.Lock()
-
-
-def _register(fence: StepFence) -> None:
-    with _HOOK_LOCK:
-        _FENCES.add(fence)
-        if not _HOOK:
-            from torch.optim.optimizer import register_optimizer_step_pre_hook
-            _HOOK.append(register_optimizer_step_pre_hook(_step_pre_hook))
-
-
-def _unregister(fence: StepFence) -> None:
-    with _HOOK_LOCK:
-        _FENCES.discard(fence)
-        if not len(_FENCES) and _HOOK:
-            _HOOK.pop().remove()
-
-
-def hook_installed() -> bool:
-    return bool(_HOOK)
+def _wait_for(opt: Any) -> None:
+    """Hold `opt`'s step until the copies of its tensors landed (every save's, read now)."""
+    for p in _HELD:
+        if p.holds(opt):
+            p.pass_fence(opt)
 
 
 def _step_pre_hook(opt: Any, args: tuple, kwargs: dict):
     """torch calls this before every Optimizer.step (args[0] is the optimizer itself)."""
-    waits = [(f, p) for f in list(_FENCES) for p in f.holding(opt)]
-    if not waits:
+    if not _HELD and not _FENCES:  # nothing pending and no async staging open: the per-step cost
         return None
-
-    def go() -> None:
-        for fence, p in waits:
-            p.pass_fence(opt, fence.timeout_s)
-
     closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
-    if closure is None or not closure_first(opt):
-        go()
+    if closure is None:
+        _wait_for(opt)
         return None
+    if not closure_first(opt):
+        _wait_for(opt)  # it may change its tensors before calling the closure
     # Lightning runs training_step + backward inside step(closure): wait after the closure (the
-    # forward and backward overlap the copy), before the update.
+    # forward and backward overlap the copy), before the update; the pending copies are read then, so
+    # a save made inside the closure (a checkpoint from training_step) holds this update too.
     ran: List[bool] = []
 
     def fenced_closure(*a: Any, **kw: Any) -> Any:
         out = closure(*a, **kw)
         if not ran:
             ran.append(True)
-            go()
+            _wait_for(opt)
         return out
     if "closure" in kwargs:
         return args, {**kwargs, "closure": fenced_closure}
     return (args[0], fenced_closure, *args[2:]), kwargs
+
+
+def _step_post_hook(opt: Any, args: tuple, kwargs: dict) -> None:
+    for trigger in _TRIGGERS:
+        trigger._post(opt)
 
 
 def cuda_capturing() -> bool:
@@ -385,66 +410,51 @@ def cuda_capturing() -> bool:
 # ---------------------------------------------------------------------------------- warm-up trigger
 
 class AfterFirstSteps:
-    """Calls `fn()` once, right after each optimizer of `optimizers()` (read at every step: frameworks
-    create them late) has stepped once: the moment the state exists in full (Adam's moments are made
-    by the first step), for the adapters' automatic warm_up. A GradScaler-skipped step does not count
-    (no step ran). `fn` failing is logged, never raised into the training step. remove() disarms it,
-    and so does `optimizers()` returning None (its owner is gone). A hook that fired is taken out of
-    torch's table later (the next arming or removal), never while torch iterates over it."""
+    """Calls `fn(owner)` once, right after each optimizer of `optimizers(owner)` (read at every step:
+    frameworks create them late) has stepped once: the moment the state exists in full (Adam's moments
+    are made by the first step), for the adapters' automatic warm_up. A GradScaler-skipped step does
+    not count (no step ran). `fn` failing is logged, never raised into the training step. `owner` is
+    held weakly: once it is gone, or `optimizers` returns None, or none of the optimizers it lists
+    reaches torch's step hooks (it would never fire), the trigger disarms; remove() disarms it too."""
 
-    def __init__(self, optimizers: Callable[[], Optional[Sequence[Any]]], fn: Callable[[], None]):
-        from torch.optim.optimizer import register_optimizer_step_post_hook
-        _sweep()
+    def __init__(self, optimizers: Callable[[Any], Optional[Sequence[Any]]], fn: Callable[[Any], None],
+                 owner: Any):
+        global _TRIGGERS
         self._optimizers, self._fn = optimizers, fn
+        self._owner = weakref.ref(owner)
         self._stepped: Set[int] = set()
-        self._live = True
-        self._handle = register_optimizer_step_post_hook(self._post)
+        _install()
+        with _LOCK:
+            _TRIGGERS = _TRIGGERS + (self,)
 
     @property
     def armed(self) -> bool:
-        return self._live
+        return self in _TRIGGERS
 
     def remove(self) -> None:
-        self._live = False
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
-        _sweep()
+        global _TRIGGERS
+        with _LOCK:
+            _TRIGGERS = tuple(t for t in _TRIGGERS if t is not self)
 
-    def _retire(self) -> None:
-        self._live = False
-        with _HOOK_LOCK:
-            _RETIRED.append(self)
-
-    def _post(self, opt: Any, args: tuple, kwargs: dict) -> None:
-        if not self._live:
-            return
-        listed = self._optimizers()
+    def _post(self, opt: Any) -> None:
+        owner = self._owner()
+        listed = self._optimizers(owner) if owner is not None else None
         if listed is None:  # the owner is gone: disarm
-            self._retire()
+            self.remove()
             return
-        wanted = [_innermost(o)[0] for o in listed if isinstance(o, torch.optim.Optimizer)]
-        if not wanted or not any(w is opt for w in wanted):
+        wanted = [o for o in (_innermost(o)[0] for o in listed if isinstance(o, torch.optim.Optimizer)) if _hooked(o)]
+        if not wanted:
+            if listed:  # e.g. a wrapper of DeepSpeed's ZeRO optimizer: its step runs no global hook
+                self.remove()
+            return
+        if not any(w is opt for w in wanted):
             return
         self._stepped.add(id(opt))
         if not all(id(w) in self._stepped for w in wanted):
             return
-        self._retire()
+        self.remove()
         try:
-            self._fn()
+            self._fn(owner)
         except Exception as exc:  # noqa: BLE001 - a warm-up never breaks training; the first save allocates
             log.warning("bytecheckpoint: the automatic staging warm-up failed (the first async save will allocate "
                         "its buffers instead): %s", exc)
-
-
-_RETIRED: List[AfterFirstSteps] = []
-
-
-def _sweep() -> None:
-    """Take fired or orphaned warm-up hooks out of torch's table (outside any step)."""
-    with _HOOK_LOCK:
-        retired, _RETIRED[:] = list(_RETIRED), []
-    for trigger in retired:
-        if trigger._handle is not None:
-            trigger._handle.remove()
-            trigger._handle = None

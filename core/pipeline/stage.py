@@ -196,9 +196,10 @@ def start(pool: StagingPool, runner: BackgroundRunner, threads: int, early: Opti
     # One thread start on the caller's thread (each costs a scheduler round trip: measured up to
     # ~60 ms on a loaded machine); the heartbeat and the pre-faulting job start from it.
     def run(wait_turn) -> None:
-        beat = start_beat() if start_beat is not None else None  # peers can tell this rank is alive
+        beat = None
         cpu0 = time.thread_time()
-        try:
+        try:  # from here on, whatever fails releases the steps held for this save (finally)
+            beat = start_beat() if start_beat is not None else None  # peers can tell this rank is alive
             out: Sequence[torch.Tensor] = staged  # type: ignore[assignment]
             if pending is not None:
                 out = _land(pending, cpu_pairs, gpu_events, staged, handle, rec)

@@ -76,15 +76,8 @@ class BackgroundRunner:
                 if previous is not None:
                     previous.join()
 
-            def run() -> None:
-                if not future.set_running_or_notify_cancel():
-                    return
-                try:
-                    future.set_result(fn(wait_turn))
-                except BaseException as exc:  # noqa: BLE001 - delivered through the future
-                    future.set_exception(exc)
-
-            thread = threading.Thread(target=run, name=self._name, daemon=False)
+            thread = threading.Thread(target=_deliver, args=(future, lambda: fn(wait_turn)), name=self._name,
+                                      daemon=False)
             self._last = thread
             self._threads = [t for t in self._threads if t.is_alive()] + [thread]
             thread.start()
@@ -94,16 +87,7 @@ class BackgroundRunner:
         """Run `fn()` on a thread of its own, outside the jobs' order (no job waits for it; join()
         does): a background warm-up that may wait for a slot a running save holds."""
         future: Future = Future()
-
-        def run() -> None:
-            if not future.set_running_or_notify_cancel():
-                return
-            try:
-                future.set_result(fn())
-            except BaseException as exc:  # noqa: BLE001 - delivered through the future
-                future.set_exception(exc)
-
-        thread = threading.Thread(target=run, name=name, daemon=False)
+        thread = threading.Thread(target=_deliver, args=(future, fn), name=name, daemon=False)
         with self._lock:
             self._threads = [t for t in self._threads if t.is_alive()] + [thread]
             thread.start()
@@ -120,3 +104,13 @@ class BackgroundRunner:
                 self._threads = [t for t in self._threads if t.is_alive()]
             if not threads or timeout is not None:
                 return
+
+
+def _deliver(future: Future, fn: Callable[[], Any]) -> None:
+    """A job thread's body: fn()'s result or exception into `future`."""
+    if not future.set_running_or_notify_cancel():
+        return
+    try:
+        future.set_result(fn())
+    except BaseException as exc:  # noqa: BLE001 - delivered through the future
+        future.set_exception(exc)

@@ -182,24 +182,35 @@ def tensor_entry(key: str, like: torch.Tensor, shape, layout: str, pieces, grid=
                        [Piece(tuple(int(o) for o in offs), tuple(t.shape), t) for offs, t in pieces], grid)
 
 
+def each_leaf(state: Any, fn: Callable[[Any], None], depth: int = 0) -> None:
+    """fn(value) for the values in `state`'s dicts, lists and tuples, down to 4 levels (where the walk
+    looks for the modules, and async staging for the optimizers, that a state holds)."""
+    if isinstance(state, dict):
+        values: Any = state.values()
+    elif isinstance(state, (list, tuple)):
+        values = state
+    else:
+        fn(state)
+        return
+    if depth >= 4:
+        return
+    for x in values:
+        if isinstance(x, (dict, list, tuple)):
+            each_leaf(x, fn, depth + 1)
+        else:
+            fn(x)
+
+
 def _param_owners(state: Any) -> Dict[int, nn.Module]:
     """id(parameter) -> the top-level module (found anywhere in the state) that owns it."""
     owners: Dict[int, nn.Module] = {}
 
-    def visit(v: Any, depth: int) -> None:
-        if depth > 4:
-            return
+    def visit(v: Any) -> None:
         if isinstance(v, (nn.Module, ModuleView)):
             module = v.module if isinstance(v, ModuleView) else v
             for p in module.parameters():
                 owners.setdefault(id(p), module)
-        elif isinstance(v, dict):
-            for x in v.values():
-                visit(x, depth + 1)
-        elif isinstance(v, (list, tuple)):
-            for x in v:
-                visit(x, depth + 1)
-    visit(state, 0)
+    each_leaf(state, visit)
     return owners
 
 

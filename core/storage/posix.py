@@ -117,14 +117,19 @@ class PosixStorage(Storage):
             pass  # a hint only: the write that needs the directory reports the error, naming the tensor
 
     # ------------------------------------------------------------ bulk
-    def _open_new(self, path: str):
-        """Open for writing, creating the directory (again, if it vanished since it was made)."""
+    def _create(self, path: str, flags: int = 0) -> int:
+        """os.open a new file for writing (mode 0o666 less the umask, as open(path, "wb")), creating its
+        directory (again, if it vanished since it was made)."""
+        flags |= os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
         self._makedirs(os.path.dirname(path))
         try:
-            return open(path, "wb")
+            return os.open(path, flags, 0o666)
         except FileNotFoundError:
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            return open(path, "wb")
+            return os.open(path, flags, 0o666)
+
+    def _open_new(self, path: str):
+        return os.fdopen(self._create(path), "wb")
 
     def write(self, key: str, data: memoryview) -> Request:
         return self.write_parts(key, [data])
@@ -167,13 +172,8 @@ class PosixStorage(Storage):
         return Done()
 
     def _write_direct(self, path: str, views: Sequence[memoryview]) -> None:
-        self._makedirs(os.path.dirname(path))
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT | getattr(os, "O_CLOEXEC", 0)
         try:
-            fd = os.open(path, flags, 0o644)
-        except FileNotFoundError:  # the directory vanished since it was made
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            fd = os.open(path, flags, 0o644)
+            fd = self._create(path, os.O_DIRECT)
         except OSError as exc:
             if exc.errno in _REFUSED:
                 raise _Refused(exc) from None
@@ -305,12 +305,16 @@ class PosixStorage(Storage):
         return True
 
     def put_aside(self, key: str, data: bytes) -> Request:
-        """A stats record: tmp + rename, created with its directories, never fsynced and never
-        added to what sync() flushes (the next save's sync must not pay for it)."""
+        """A stats record: tmp + rename, never fsynced nor flushed by sync() (the next save's sync must
+        not pay for it). Directories are made only when missing, never the top one (a record of a
+        data directory removed meanwhile is dropped, not left as an orphan)."""
         path = self._path(key)
         tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
         try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
+            if not os.path.isdir(os.path.dirname(path)):
+                if "/" in key and not os.path.isdir(self._path(key.split("/", 1)[0])):
+                    raise FileNotFoundError(errno.ENOENT, "the checkpoint's data directory is gone", path)
+                os.makedirs(os.path.dirname(path), exist_ok=True)
             with open(tmp, "wb") as f:
                 f.write(data)
             os.replace(tmp, path)

@@ -297,3 +297,15 @@ def test_record_stats_option_and_env():
     assert env_flag("BCP_LOG_METRICS", True, {}) and not env_flag("BCP_LOG_METRICS", True, {"BCP_LOG_METRICS": "0"})
     with pytest.raises(bcp.CheckpointError, match="BCP_LOG_METRICS"):
         env_flag("BCP_LOG_METRICS", True, {"BCP_LOG_METRICS": "maybe"})
+
+
+def test_a_record_beside_a_removed_data_directory_is_dropped_not_an_orphan(tmp_path):
+    from bytecheckpoint.storage.posix import PosixStorage
+    store = PosixStorage(str(tmp_path), str(tmp_path))
+    (tmp_path / "data-1").mkdir()
+    assert store.put_aside("data-1/stats/load/rank_0.json", b"{}").result() is True  # stats/load made
+    assert (tmp_path / "data-1/stats/load/rank_0.json").read_bytes() == b"{}"
+    # the checkpoint was deleted (or overwritten) while a load's record was being finished
+    with pytest.raises(Exception):
+        store.put_aside("data-2/stats/load/rank_0.json", b"{}").result()
+    assert not (tmp_path / "data-2").exists()

@@ -311,15 +311,174 @@ def test_a_failed_copy_releases_the_step_and_fails_the_save(tmp_path, monkeypatc
     assert not ckpt.is_checkpoint(tmp_path / "a")
 
 
-def test_close_drains_and_removes_the_hook(tmp_path):
+def test_close_drains_and_releases_the_fence(tmp_path, monkeypatch):
     c = bcp.Checkpointer(async_save=True, async_staging=True)
     m = model(bn=False)
     opt = torch.optim.AdamW(m.parameters())
     train_step(m, opt)
+    held = Held(monkeypatch)
     c.save(tmp_path / "a", {"model": m, "optim": opt})
-    assert c._fence in gate._FENCES and gate.hook_installed()
-    c.close()
-    assert c._fence not in gate._FENCES
+    assert c._fence in gate._FENCES and gate.hook_installed() and gate._HELD
+    held.release(after_s=0.2)
+    c.close()  # waits for the copy, then the save
+    assert held.done.is_set() and c._fence not in gate._FENCES and not gate._HELD
+    with bcp.Checkpointer() as reader:
+        assert reader.is_checkpoint(tmp_path / "a")
+
+
+def _hook_tables():
+    from torch.optim import optimizer as o
+    return list(o._global_optimizer_pre_hooks), list(o._global_optimizer_post_hooks)
+
+
+def test_hooks_are_never_registered_or_removed_beside_a_step(tmp_path):
+    """torch iterates its global step-hook tables on the stepping thread; a hook registered or removed
+    meanwhile (a save or close on another thread, a warm-up trigger armed or fired) raised "OrderedDict
+    mutated during iteration" in the training step. Saves, closes and triggers from another thread,
+    while a step sits in a (user's) global pre-hook and then post-hook, leave both tables alone."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+    m = model(bn=False)
+    opt = torch.optim.AdamW(m.parameters())
+    train_step(m, opt)
+    engines = {phase: bcp.Checkpointer(async_save=True, async_staging=True) for phase in ("pre", "post")}  # setup
+    tables = _hook_tables()
+    inside = {"pre": threading.Event(), "post": threading.Event()}
+    go = {"pre": threading.Event(), "post": threading.Event()}
+
+    def blocking(phase):
+        def hook(*_):
+            inside[phase].set()
+            assert go[phase].wait(30)
+        return hook
+
+    def after(*_):  # any hook behind the blocked one (another library's): torch's iterator moves on to it
+        return None
+    user = [register_optimizer_step_pre_hook(blocking("pre")), register_optimizer_step_pre_hook(after),
+            register_optimizer_step_post_hook(blocking("post")), register_optimizer_step_post_hook(after)]
+    errors, handles = [], []
+
+    def step() -> None:
+        try:
+            train_step(m, opt)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+    stepper = threading.Thread(target=step)
+    try:
+        stepper.start()
+        for phase in ("pre", "post"):
+            assert inside[phase].wait(30)
+            second = bcp.Checkpointer(async_save=True, async_staging=True)  # another engine, made and closed
+            handles.append(engines[phase].save(tmp_path / phase, {"model": m, "optim": opt}))  # deferred copies
+            trigger = gate.AfterFirstSteps(lambda _: [opt], lambda _: None, owner=second)
+            trigger.remove()
+            gate.AfterFirstSteps(lambda _: None, lambda _: None, owner=second)  # disarms at its first call
+            second.close()
+            go[phase].set()
+        stepper.join(30)
+        assert not errors, errors
+        assert _hook_tables() == (tables[0] + [user[0].id, user[1].id], tables[1] + [user[2].id, user[3].id])
+        try:  # saved in the middle of a step, before its update: copied before it, or failed by the guard
+            handles[0].wait()
+        except bcp.CheckpointError as exc:
+            assert "changed in place" in str(exc), exc
+        handles[1].wait()  # saved after the update
+    finally:
+        for e in go.values():
+            e.set()
+        for handle in user:
+            handle.remove()
+        for engine in engines.values():
+            try:
+                engine.close()
+            except bcp.CheckpointError:
+                pass  # the 'pre' save's failure (checked above)
+
+
+def test_a_save_inside_the_closure_holds_that_update(tmp_path, monkeypatch, ckpt):
+    """A checkpoint taken from training_step (Lightning: inside step(closure)) is pending when the
+    update comes: the update waits for its copies too (fused AdamW moves no version counter, so the
+    guard could not tell)."""
+    m = model(bn=False)
+    opt = torch.optim.AdamW(m.parameters(), lr=0.1, fused=True)
+    train_step(m, opt)
+    ckpt.save(tmp_path / "warm", {"model": m, "optim": opt}).wait()  # async staging in use in this process
+    held = Held(monkeypatch)
+    saved = {}
+
+    def closure():
+        opt.zero_grad()
+        loss = m(X).square().mean()
+        loss.backward()
+        saved["ref"] = snapshot(m, opt)
+        saved["h"] = ckpt.save(tmp_path / "a", {"model": m, "optim": opt})
+        held.release(after_s=0.3)
+        return loss
+    opt.step(closure)
+    assert held.done.is_set(), "the update ran before the copies of a save made in its closure landed"
+    saved["h"].wait()
+    assert_saved(ckpt, tmp_path / "a", saved["ref"])
+
+
+def test_a_copy_that_never_lands_fails_the_save_once(tmp_path, monkeypatch):
+    """A step waits at most timeout_s; then the save fails and later steps are not held again."""
+    m = model(bn=False)
+    opt = torch.optim.AdamW(m.parameters())
+    train_step(m, opt)
+    with bcp.Checkpointer(async_save=True, async_staging=True, timeout_s=1) as c:
+        held = Held(monkeypatch)
+        h = c.save(tmp_path / "a", {"model": m, "optim": opt})
+        t0 = time.perf_counter()
+        train_step(m, opt)  # held 1 s, then goes on
+        t1 = time.perf_counter()
+        train_step(m, opt)
+        assert 0.9 < t1 - t0 and time.perf_counter() - t1 < 0.5, (t1 - t0, time.perf_counter() - t1)
+        held.release()
+        with pytest.raises(bcp.CheckpointError, match="did not land"):
+            h.wait()
+        assert not c.is_checkpoint(tmp_path / "a")
+
+
+def test_a_job_that_fails_before_its_copies_releases_the_step(tmp_path, monkeypatch):
+    from bytecheckpoint.pipeline import commit
+
+    def broken(self):
+        raise OSError("injected: no heartbeat")
+    monkeypatch.setattr(commit.MarkerBoard, "heartbeat", broken)
+    m = model(bn=False)
+    opt = torch.optim.AdamW(m.parameters())
+    train_step(m, opt)
+    with bcp.Checkpointer(async_save=True, async_staging=True, timeout_s=60) as c:
+        h = c.save(tmp_path / "a", {"model": m, "optim": opt})
+        t0 = time.perf_counter()
+        train_step(m, opt)
+        assert time.perf_counter() - t0 < 10, "the step waited for copies no job makes"
+        with pytest.raises(Exception, match="no heartbeat"):
+            h.wait()
+
+
+def test_warm_up_trigger_fires_once_and_disarms(monkeypatch):
+    m = model(bn=False)
+    opt = torch.optim.AdamW(m.parameters())
+    owner = type("Owner", (), {})()
+    fired = []
+    trigger = gate.AfterFirstSteps(lambda o: [opt], fired.append, owner=owner)
+    train_step(m, opt, step=False)
+    assert trigger.armed and not fired
+    train_step(m, opt)
+    train_step(m, opt)
+    assert fired == [owner] and not trigger.armed
+    zero = type("Zero", (), {})()  # never a torch optimizer whose step runs the hooks (DeepSpeed's ZeRO)
+
+    class Wrapper(torch.optim.Optimizer):  # Accelerate's wrapper around it: no Optimizer.__init__
+        def __init__(self, inner):
+            self.optimizer = inner
+
+        def step(self, closure=None):
+            pass
+    never = gate.AfterFirstSteps(lambda o: [Wrapper(zero)], fired.append, owner=owner)
+    train_step(m, opt)
+    assert not never.armed and fired == [owner]  # disarmed: it would be called at every step forever
+    assert gate.optimizers_in({"optim": Wrapper(zero)}) == []  # its tensors are copied before save() returns
 
 
 def test_off_and_auto_on_cpu_copy_everything_before_returning(tmp_path):
@@ -408,20 +567,38 @@ def test_direct_writes_are_byte_identical_to_buffered(tmp_path):
     assert direct._direct_ok is _takes_o_direct(tmp_path / "d" / "x")
 
 
-def test_checkpoint_files_are_the_same_with_and_without_direct_io(tmp_path):
-    m = model(bn=False)
-    state = {"model": m, "big": torch.randn(700, 1000)}
-    for mode in (True, False):
-        if mode is True and not _takes_o_direct(tmp_path):
-            pytest.skip("this file system refuses O_DIRECT")
-        with bcp.Checkpointer(direct_io=mode) as c:
-            c.save(tmp_path / str(mode), state)
+def test_checkpoint_files_are_the_same_with_and_without_direct_io(tmp_path, monkeypatch):
+    """Pack files (plain and format 6 safetensors ones) of the same state, written with O_DIRECT and
+    buffered: the same bytes and the same file modes; the O_DIRECT path really wrote them."""
+    from bytecheckpoint.storage import posix
+    torch.manual_seed(0)
+    state = {"model": torch.nn.Linear(1024, 512), "big": torch.randn(700, 1000)}
+    direct = []
+    finish = posix._DirectWriter.finish
+
+    def counted(self):
+        direct.append(self.size)
+        finish(self)
+    monkeypatch.setattr(posix._DirectWriter, "finish", counted)
+    if not _takes_o_direct(tmp_path):
+        pytest.skip("this file system refuses O_DIRECT")
+    umask = os.umask(0o002)  # a group-writable umask (shared clusters): both modes follow it
+    try:
+        for mode in (True, False):
+            with bcp.Checkpointer(direct_io=mode) as c:
+                c.save(tmp_path / str(mode), state, safetensors=["model"])
+            if mode is True:
+                written_direct = len(direct)
+    finally:
+        os.umask(umask)
+    assert written_direct >= 2 and len(direct) == written_direct, direct  # the plain and the safetensors pack
     packs = {}
     for mode in ("True", "False"):
         (data,) = [d for d in os.listdir(tmp_path / mode) if d.startswith("data-")]
         folder = tmp_path / mode / data / "pack"
-        packs[mode] = {n: (folder / n).read_bytes() for n in sorted(os.listdir(folder))}
-    assert packs["True"] == packs["False"] and sum(len(b) for b in packs["True"].values()) > (1 << 20)
+        packs[mode] = {n: ((folder / n).read_bytes(), os.stat(folder / n).st_mode) for n in sorted(os.listdir(folder))}
+    assert packs["True"] == packs["False"]
+    assert any(n.endswith(".safetensors") for n in packs["True"]) and sum(len(b) for b, _ in packs["True"].values()) > (4 << 20)
 
 
 @pytest.mark.parametrize("where", ["open", "first write"])
