@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not faults and not slow" tests
+	$(PY) -m pytest -q --durations=20 -m "not faults and not slow" tests
 
 test-faults: $(STAMP)
 	$(PY) -m pytest -q -m faults tests

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import time
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -58,18 +59,21 @@ def train(model, optim, steps: int, seed: int) -> None:
 
 
 def same(a, b, where: str) -> None:
+    """a == b, recursively and bit for bit; `where` names the first difference."""
     if isinstance(b, torch.Tensor):
-        assert torch.equal(a, b), where
+        assert isinstance(a, torch.Tensor) and torch.equal(a, b), where
     elif isinstance(b, dict):
-        assert set(a) == set(b), where
+        assert set(a) == set(b), f"{where}: {sorted(map(str, a))} != {sorted(map(str, b))}"
         for k in b:
             same(a[k], b[k], f"{where}/{k}")
     elif isinstance(b, (list, tuple)):
         assert len(a) == len(b), where
         for i, (x, y) in enumerate(zip(a, b)):
             same(x, y, f"{where}/{i}")
+    elif isinstance(b, np.ndarray):
+        assert np.array_equal(a, b), where
     else:
-        assert a == b, where
+        assert a == b, f"{where}: {a!r} != {b!r}"
 
 
 def run(root: str, kinds: str) -> None:

@@ -10,17 +10,19 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 import bytecheckpoint as bcp
 from bytecheckpoint.pipeline import stage
+from scenarios_async_staging import same  # noqa: E402  (tests/ is on sys.path)
 
 pytestmark = pytest.mark.timeout(300)
 
 
-def slow_copies(monkeypatch, seconds: float = 0.1) -> None:
+def slow_copies(monkeypatch, seconds: float = 0.4) -> None:
+    """Long enough that the next step comes before the copy lands, even on a loaded machine (at 0.1 s
+    the Trainer once stepped after it: no step waited)."""
     original = stage.copy_deferred
 
     def slow(pairs):
@@ -55,23 +57,6 @@ class Shadow:
         first = self.saves[0][1].stats
         assert first["allocated_bytes"] <= 0.05 * (first["deferred_bytes"] + first["copied_now_bytes"]), first
         self.ref.close()
-
-
-def same(a, b, where: str) -> None:
-    if isinstance(b, torch.Tensor):
-        assert isinstance(a, torch.Tensor) and torch.equal(a, b), where
-    elif isinstance(b, dict):
-        assert set(a) == set(b), f"{where}: {sorted(map(str, a))} != {sorted(map(str, b))}"
-        for k in b:
-            same(a[k], b[k], f"{where}/{k}")
-    elif isinstance(b, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            same(x, y, f"{where}/{i}")
-    elif isinstance(b, np.ndarray):
-        assert np.array_equal(a, b), where
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
 
 
 # --------------------------------------------------------------------------- Lightning
