@@ -6,11 +6,12 @@ Mechanism (docs/transformers.md has the whole story):
   Trainers are untouched; ``remove()`` restores them). Private ones are named in _compat.py only.
 * Saving: the stock ``_save_checkpoint`` runs as always (folder ``checkpoint-<step>``, best
   checkpoint tracking, stateful callbacks, ``trainer_state.json``), except that inside it
-  ``save_model`` writes the model's config, processing class and ``training_args.bin`` but no
-  weights, the optimizer/scheduler/scaler/RNG savers only record that the stock Trainer would save
-  those parts, its rotation is held back and a Hub push is deferred. Then the adapter saves the
-  parts through bytecheckpoint into ``checkpoint-<step>/bytecheckpoint`` (commit point last,
-  after the Trainer's files, which are made durable first), async when asked, and rotates.
+  ``save_model`` writes the model's config, processing class and ``training_args.bin`` (the weights
+  only where stock gathers them from shards: FSDP ``FULL_STATE_DICT``, DeepSpeed; _gathered.py),
+  the optimizer/scheduler/scaler/RNG savers only record that the stock Trainer would save those
+  parts, its rotation is held back and a Hub push is deferred. Then the adapter saves the parts
+  through bytecheckpoint into ``checkpoint-<step>/bytecheckpoint`` (commit point last, after the
+  Trainer's files, which are made durable first), async when asked, and rotates.
 * Resuming: ``resume_from_checkpoint=True`` picks the newest *committed* folder. A folder written
   with the adapter is loaded right after ``accelerator.prepare`` (model or DeepSpeed engine,
   optimizer, scheduler, scaler: in place, any process count and layout) and its RNG states where
@@ -35,6 +36,7 @@ from bytecheckpoint.state.flatten import top_level_placeholders
 from . import _compat as compat
 from . import _data
 from . import _folders as folders
+from . import _gathered as gathered
 from . import _peft as peft
 from . import _rng as rng
 from . import _routes as routes
@@ -245,7 +247,9 @@ class TrainerAttachment(_data.DataOrderMixin, _staging.WarmUpMixin):
         if not self._active or call is None or not _internal_call:
             return original(output_dir, _internal_call)
         call.output_dir = os.fspath(output_dir)
-        write_model_files(self._trainer, call.output_dir, peft.model_of(self._trainer, routes.route_for(self._trainer)))
+        route = routes.route_for(self._trainer)
+        if not gathered.save(self._trainer, route, call.output_dir):  # FSDP FULL_STATE_DICT, DeepSpeed: as stock
+            write_model_files(self._trainer, call.output_dir, peft.model_of(self._trainer, route))
 
     def _w_save_optimizer_and_scheduler(self, original: Callable, output_dir: str) -> None:
         if not self._active or self._call is None:

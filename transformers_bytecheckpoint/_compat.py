@@ -9,6 +9,7 @@ installed transformers version and the version the adapter is tested with.
 |---|---|---|
 | `Trainer._save_checkpoint(model, trial)` | the checkpoint itself: the stock method runs (checkpoint folder, best-checkpoint tracking, stateful callbacks, `trainer_state.json`), then model, optimizer, scheduler, scaler and RNG are saved through bytecheckpoint, then rotation | `on_save` callbacks run after the files were written; there is no save hook |
 | `Trainer._save_optimizer_and_scheduler`, `._save_scaler`, `._save_rng_state` | inside a checkpoint: write nothing, record that the stock Trainer would save this part | the parts are written by these methods directly |
+| `Trainer._save(output_dir, state_dict)` | called (not wrapped) with FSDP `FULL_STATE_DICT` / DeepSpeed: writes the gathered `model.safetensors`, config and processing class as stock `save_model` does (_gathered.py) | `save_model` would also write DeepSpeed's own checkpoint |
 | `Trainer._push_from_checkpoint(folder)` | with `push_to_hub`: deferred until the checkpoint is committed | called inside `_save_checkpoint` |
 | `Trainer._get_output_dir(trial)` | the run directory whose `checkpoint-*` folders rotation looks at | no public getter |
 | `Trainer._load_from_checkpoint(path, model=None)` | skipped for a bytecheckpoint folder (loaded after `prepare`, below) | resume loads are private steps of `train()` |
@@ -33,6 +34,7 @@ PRIVATE: Dict[str, Tuple[Tuple[str, ...], str]] = {
     "_save_optimizer_and_scheduler": (("output_dir",), "the optimizer/scheduler part of a checkpoint"),
     "_save_scaler": (("output_dir",), "the grad scaler part of a checkpoint"),
     "_save_rng_state": (("output_dir",), "the RNG part of a checkpoint"),
+    "_save": (("output_dir", "state_dict"), "the gathered weights file of FSDP/DeepSpeed checkpoint folders"),
     "_push_from_checkpoint": (("checkpoint_folder",), "pushing a committed checkpoint to the Hub"),
     "_get_output_dir": (("trial",), "the run directory of the checkpoint folders"),
     "_load_from_checkpoint": (("resume_from_checkpoint", "model"), "loading model weights on resume"),

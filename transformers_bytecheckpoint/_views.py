@@ -9,7 +9,8 @@ with the Hugging Face loaders, and ``metadata.json`` is written after the link (
 checkpoint's folder has its weights file). Deleting the folder deletes both names.
 
 Where: the REPLICATED route (one process, DDP), whose writing process holds every tensor whole.
-Sharded routes (FSDP, DeepSpeed) write no weights file (docs/transformers.md).
+On sharded routes (FSDP, DeepSpeed) the stock Trainer's gathered file, where it writes one, is
+written by its own ``_save`` (_gathered.py); here it is only made durable before the commit point.
 """
 from __future__ import annotations
 
@@ -29,9 +30,9 @@ logger = logging.getLogger(__name__)
 def save_kwargs(state: Dict[str, Any], route: Any, checkpoint_dir: str, output_dir: str, should_save: bool
                 ) -> Dict[str, Any]:
     """`safetensors=` (REPLICATED route) and `before_commit=` for Checkpointer.save of `state`. Before
-    the commit point, on the coordinator (the writing process): the Trainer's trainer_state.json and
-    the folder are made durable (an async save does it in the background, not in the stall), and
-    the weights file is linked."""
+    the commit point, on the coordinator (the writing process): the Trainer's trainer_state.json, a
+    gathered weights file and the folder are made durable (an async save does it in the background,
+    not in the stall), and the weights file is linked."""
     targets = {}
     if route is routes.REPLICATED and peft.KEY in state:
         targets = {f"{peft.KEY}/{name}": (peft.folder_of(output_dir, name), peft.WEIGHTS_NAME)
@@ -50,6 +51,10 @@ def save_kwargs(state: Dict[str, Any], route: Any, checkpoint_dir: str, output_d
                 continue
             link_views(checkpoint_dir, md, group, folder, weights_name=name)
             synced.add(folder)
+        if should_save and route is not routes.REPLICATED:  # a weights file _gathered.py had the Trainer write
+            for name in os.listdir(output_dir):
+                if name.endswith((".safetensors", ".safetensors.index.json")):
+                    _fsync(os.path.join(output_dir, name))
         if should_save and output_dir not in synced:
             _fsync(output_dir)
     return {"safetensors": list(targets), "before_commit": before_commit}

@@ -61,6 +61,19 @@ def committed(folder: Path) -> bool:
     return bcp.is_checkpoint(str(folder / "bytecheckpoint"))
 
 
+def assert_gathered_weights(folder: Path, want: dict, what: str) -> None:
+    """The folder's model.safetensors, gathered from the shards and written as the stock Trainer
+    writes it (FSDP FULL_STATE_DICT, DeepSpeed), opens with from_pretrained and holds `want`."""
+    from transformers import AutoModelForCausalLM
+
+    assert {"model.safetensors", "config.json"} <= set(os.listdir(folder)), (what, sorted(os.listdir(folder)))
+    assert committed(folder), what
+    got = AutoModelForCausalLM.from_pretrained(str(folder)).state_dict()
+    assert want and set(want) <= set(got), (what, sorted(set(want) - set(got)))
+    for k in want:
+        assert torch.equal(got[k], want[k]), f"{what}: {k} differs"
+
+
 # ---------------------------------------------------------------------------------------- DDP
 
 @pytest.fixture(scope="module")
@@ -162,8 +175,10 @@ def test_final_save_model_writes_safetensors_from_pretrained_opens(ddp: Path) ->
 
 @pytest.fixture(scope="module")
 def fsdp2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Stock (SHARDED_STATE_DICT, which its resume needs) and attached (FULL_STATE_DICT: the stock
+    Trainer's gathered model.safetensors in each folder; the state-dict type does not change training)."""
     t = tmp_path_factory.mktemp("tr_fsdp2")
-    for name, extra in (("stock", ()), ("bcp", ("--attach", "async"))):
+    for name, extra in (("stock", ()), ("bcp", ("--attach", "async", "--state-dict-type", "FULL_STATE_DICT"))):
         launch(2, "--out", str(t / name), "--fsdp", "2", *extra, "--dump", str(t / f"{name}.pt"))
         launch(1, "--out", str(t / name), "--fsdp", "2", *extra, "--resume", str(t / name / "checkpoint-4"),
                "--dump", str(t / f"{name}_1.pt"))
@@ -180,29 +195,38 @@ def test_fsdp2_saved_on_2_resumed_on_1_bit_exact_with_stock(fsdp2: Path) -> None
     import bytecheckpoint as bcp
 
     assert bcp.inspect(str(fsdp2 / "bcp" / "checkpoint-4" / "bytecheckpoint")).world_size == 2  # every rank its part
+    for step in (2, 4):  # FULL_STATE_DICT: the stock Trainer's model.safetensors, gathered from the 2 ranks' shards
+        folder = fsdp2 / "bcp" / f"checkpoint-{step}"
+        assert_gathered_weights(folder, bcp.load_full(str(folder / "bytecheckpoint"), keys=["model"])["model"],
+                                f"FSDP2 checkpoint-{step}")
+    # checkpoint-6, written again by the 1-process resume: its final weights
+    assert_gathered_weights(fsdp2 / "bcp" / "checkpoint-6", dump(fsdp2 / "bcp_1.pt")["weights"], "FSDP2 x1 checkpoint-6")
 
 
 @pytest.mark.slow  # make test-slow: other layouts of the same Trainer route
 def test_fsdp1_saved_on_2_resumed_on_1_as_fsdp1_and_fsdp2(tmp_path: Path, ddp: Path) -> None:
-    """FSDP1 (flat parameters; FULL_STATE_DICT set, with which the stock Trainer gathers a full
-    model.safetensors into every checkpoint): the attached run is the stock FSDP1 run bit for bit;
-    resumed on 1 process as FSDP1 and as FSDP2 it logs the losses of the stock DDP 2 -> 1 resume
-    of the same script. (The stock FSDP1 SHARDED_STATE_DICT 2 -> 1 resume differs from those after
-    its first resumed step; docs/transformers.md.)"""
-    # (the stock run with FULL_STATE_DICT set crashed once in torch's FSDP1 all-gather on CPU, SIGSEGV:
-    # the stock reference uses SHARDED_STATE_DICT; the state-dict type does not change training)
+    """FSDP1 (flat parameters): the attached run is the stock FSDP1 run bit for bit; resumed on 1
+    process as FSDP1 and as FSDP2 it logs the losses of the stock DDP 2 -> 1 resume of the same
+    script. (The stock FSDP1 SHARDED_STATE_DICT 2 -> 1 resume differs from those after its first
+    resumed step; docs/transformers.md.) The FSDP1 resume sets FULL_STATE_DICT: its checkpoint-6 has
+    the stock Trainer's gathered model.safetensors."""
+    # FULL_STATE_DICT on 2 processes: torch's FSDP1 gather crashes on CPU (SIGSEGV cloning an unsharded
+    # parameter in _full_post_state_dict_hook; the stock run too, every try here), on 1 process it runs.
+    # The state-dict type does not change training.
     launch(2, "--out", str(tmp_path / "stock"), "--fsdp", "1", "--dump", str(tmp_path / "stock.pt"))
-    launch(2, "--out", str(tmp_path / "o"), "--fsdp", "1", "--state-dict-type", "FULL_STATE_DICT", "--attach", "async",
-           "--dump", str(tmp_path / "bcp.pt"))
+    launch(2, "--out", str(tmp_path / "o"), "--fsdp", "1", "--attach", "async", "--dump", str(tmp_path / "bcp.pt"))
     assert_same_run(dump(tmp_path / "bcp.pt"), dump(tmp_path / "stock.pt"), "continuous FSDP1 run")
-    assert not (tmp_path / "o" / "checkpoint-4" / "model.safetensors").exists()  # nothing gathered
+    assert not (tmp_path / "o" / "checkpoint-4" / "model.safetensors").exists()  # SHARDED_STATE_DICT: as stock, none
     want = dump(ddp / "stock_1.pt")
     for version in ("1", "2"):
-        launch(1, "--out", str(tmp_path / "o"), "--fsdp", version, "--attach", "sync",
+        full = ("--state-dict-type", "FULL_STATE_DICT") if version == "1" else ()
+        launch(1, "--out", str(tmp_path / "o"), "--fsdp", version, *full, "--attach", "sync",
                "--resume", str(tmp_path / "o" / "checkpoint-4"), "--dump", str(tmp_path / f"bcp_1_{version}.pt"))
         got = dump(tmp_path / f"bcp_1_{version}.pt")
         assert got["losses"] == want["losses"], (version, got["losses"], want["losses"])
         assert got["info"]["global_step"] == 6
+        if full:  # before the FSDP2 resume saves checkpoint-6 again
+            assert_gathered_weights(tmp_path / "o" / "checkpoint-6", got["weights"], "FSDP1 x1 checkpoint-6")
 
 
 # ---------------------------------------------------------------------------------------- DeepSpeed (CPU)
@@ -221,10 +245,13 @@ def test_deepspeed_saved_on_2_resumed_on_1_other_stage(tmp_path: Path, ddp: Path
     """ZeRO-<save_stage> on 2 processes, resumed on 1 process as ZeRO-<load_stage> (the stock Trainer
     cannot: DeepSpeed's own checkpoint loads on the same world size and stage only). The fp32 master
     weights right after the load equal DeepSpeed's own full view at save time, bit for bit, and the
-    resumed run is the stock DDP resume of the same script."""
+    resumed run is the stock DDP resume of the same script. Each folder has the model.safetensors the
+    stock Trainer gathers (ZeRO-1/2; ZeRO-3 with stage3_gather_16bit_weights_on_model_save, set for
+    the ZeRO-3 save) or, ZeRO-3 without the flag, none."""
     pytest.importorskip("deepspeed")
-    launch(2, "--out", str(tmp_path / "o"), "--deepspeed", str(save_stage), "--attach", DS_SAVE, "--state-at", "4",
-           "--dump", str(tmp_path / "save.pt"), env=DS_ENV)
+    gather = ("--ds-gather",) if save_stage == 3 else ()  # stage3_gather_16bit_weights_on_model_save
+    launch(2, "--out", str(tmp_path / "o"), "--deepspeed", str(save_stage), *gather, "--attach", DS_SAVE,
+           "--state-at", "4", "--dump", str(tmp_path / "save.pt"), env=DS_ENV)
     files = set(os.listdir(tmp_path / "o" / "checkpoint-4"))
     assert "bytecheckpoint" in files and not any(f.startswith("global_step") for f in files), files
     launch(1, "--out", str(tmp_path / "o"), "--deepspeed", str(load_stage), "--attach", "sync", "--state-at", "4",
@@ -235,6 +262,14 @@ def test_deepspeed_saved_on_2_resumed_on_1_other_stage(tmp_path: Path, ddp: Path
         assert torch.equal(loaded["views"]["loaded"][k], saved[k]), k
     assert loaded["losses"] == dump(ddp / "stock_1.pt")["losses"]
     assert loaded["info"]["global_step"] == 6
+    # the stock Trainer's model.safetensors, gathered from the ZeRO partitions (ZeRO-1/2; ZeRO-3 with the flag)
+    assert_gathered_weights(tmp_path / "o" / "checkpoint-4", saved, f"ZeRO-{save_stage} x2 checkpoint-4")
+    last = tmp_path / "o" / "checkpoint-6"  # written by the resumed run
+    if load_stage == 3:  # without the flag: no weights file (stock: DeepSpeed's own checkpoint only)
+        assert committed(last) and "config.json" in os.listdir(last)
+        assert not any(f.endswith(".safetensors") for f in os.listdir(last)), sorted(os.listdir(last))
+    else:
+        assert_gathered_weights(last, loaded["weights"], f"ZeRO-{load_stage} x1 checkpoint-6")
 
 
 @pytest.mark.slow  # make test-slow: other layouts of the same Trainer route
@@ -248,5 +283,11 @@ def test_deepspeed_zero1_resumed_on_2_bit_exact_with_stock(tmp_path: Path) -> No
         launch(2, "--out", str(o), "--deepspeed", "1", *extra, "--resume", str(o / "checkpoint-4"),
                "--dump", str(tmp_path / f"{name}_2.pt"), env=DS_ENV)
     assert any(f.startswith("global_step") for f in os.listdir(tmp_path / "stock" / "checkpoint-4"))
+    from safetensors.torch import load_file
+
+    for step in (2, 4, 6):  # the stock folder's model.safetensors, written the stock way (6: by the resumed run)
+        ours, stock = (load_file(str(tmp_path / d / f"checkpoint-{step}" / "model.safetensors")) for d in ("bcp", "stock"))
+        assert ours.keys() == stock.keys() and all(torch.equal(ours[k], stock[k]) for k in stock), step
+    assert_gathered_weights(tmp_path / "bcp" / "checkpoint-6", dump(tmp_path / "bcp_2.pt")["weights"], "ZeRO-1 checkpoint-6")
     assert_same_run(dump(tmp_path / "bcp.pt"), dump(tmp_path / "stock.pt"), "continuous ZeRO-1 run")
     assert_same_run(dump(tmp_path / "bcp_2.pt"), dump(tmp_path / "stock_2.pt"), "ZeRO-1 2 -> 2 resume")

@@ -3,7 +3,7 @@
 and what the adapter recorded to --dump.
 
     trainer_run.py --out DIR [--attach sync|async] [--resume PATH|true] [--max-steps N] [--save-steps K]
-                   [--save-total-limit L] [--deepspeed STAGE] [--dump FILE] [--state-at STEP] [--peft]
+                   [--save-total-limit L] [--deepspeed STAGE [--ds-gather]] [--dump FILE] [--state-at STEP] [--peft]
 """
 import argparse
 import json
@@ -36,6 +36,7 @@ def main() -> None:
     p.add_argument("--save-final", default=None, help="trainer.save_model(DIR) after train()")
     p.add_argument("--dump", default=None)
     p.add_argument("--state-at", type=int, default=None, help="dump DeepSpeed's full view at this step / after load")
+    p.add_argument("--ds-gather", action="store_true", help="ZeRO-3: stage3_gather_16bit_weights_on_model_save")
     p.add_argument("--peft", action="store_true", help="a LoRA adapter on the tiny GPT-2 (tiny.tiny_lora)")
     a = p.parse_args()
     torch.set_num_threads(1)
@@ -46,8 +47,9 @@ def main() -> None:
         from scenarios_deepspeed import skip_shm_build
 
         skip_shm_build()
+        gather = {"stage3_gather_16bit_weights_on_model_save": True} if a.ds_gather else {}
         extra["deepspeed"] = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-                              "zero_optimization": {"stage": a.deepspeed}, "zero_allow_untested_optimizer": True,
+                              "zero_optimization": {"stage": a.deepspeed, **gather}, "zero_allow_untested_optimizer": True,
                               "gradient_clipping": "auto", "steps_per_print": 10 ** 9}
         extra["ddp_backend"] = "gloo"
         # the default adamw_torch_fused: bytecheckpoint's DeepSpeed route refuses to load into a fresh
