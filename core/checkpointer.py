@@ -197,7 +197,7 @@ class Checkpointer:
         if tier != "persistent":
             raise CheckpointError(f"load: tier must be 'persistent' or 'local', got {tier!r}")
         store = self.storage(path, storage_options)
-        self._fence.drain()  # pending async-staging copies land before the live tensors change
+        gate.drain_every(self.options.timeout_s)  # every engine's pending copies land before the live tensors change
         md, stats = self._open_load(comm, store, path, arrive=True)
         shared = zero_redundancy.plan_shared if self._share(comm, store) else zero_redundancy.no_sharing
         with stats.finishing(store, md, self.options.record_stats == "all"), Workers(self.options.threads) as workers:
@@ -269,7 +269,7 @@ class Checkpointer:
 
     def _restore_local(self, comm: Comm, state: Optional[Dict[str, Any]], strict: bool, allow_pickle: bool,
                        choice: "restoring.LocalChoice") -> Restored:
-        self._fence.drain()
+        gate.drain_every(self.options.timeout_s)
         restored, stats = restoring.restore_local(self._local_tier(), comm, state, choice, strict=strict,
                                                   allow_pickle=allow_pickle, threads=self.options.threads,
                                                   registry=self.registry, fsdp1_route=self.options.fsdp1_route,

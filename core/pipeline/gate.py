@@ -20,172 +20,14 @@ import logging
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Set, Tuple
 
 import torch
 
 from ..common.errors import CheckpointError
-from ..state.flatten import each_leaf
+from .guards import Guard, Guarded, Holder, _hooked, _innermost, closure_first, version
 
 log = logging.getLogger("bytecheckpoint")
-
-# Sources smaller than this are copied before save() returns (biases, scalars, `step` counters):
-# cheaper to copy than to track.
-SMALL_BYTES = 64 << 10
-# Optimizers that update parameters inside backward (no step to hold): their tensors are copied now.
-_UPDATE_IN_BACKWARD = ("Lomo", "AdaLomo")
-
-StorageKey = Tuple[str, int]
-
-
-def storage_key(t: torch.Tensor) -> Optional[StorageKey]:
-    """(device, address) of the memory a tensor lives in (a DTensor: its local tensor's), or None
-    when it has none we can name (meta, empty, a tensor subclass without storage)."""
-    local = getattr(t, "_local_tensor", None)
-    if isinstance(local, torch.Tensor):
-        t = local
-    try:
-        ptr = t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError, AttributeError, TypeError):
-        return None
-    return (str(t.device), ptr) if ptr else None
-
-
-def nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-# ---------------------------------------------------------------------------------- guards
-
-@dataclass
-class Holder:
-    """An optimizer-held tensor (a parameter as in param_groups, a state tensor as in .state; for a
-    DTensor the DTensor: its version counter is the one its step and in-place edits move)."""
-    tensor: torch.Tensor
-    what: str                      # "parameter" or "state 'exp_avg'"
-
-
-@dataclass(eq=False)
-class Guard:
-    """An optimizer whose step is the only writer of some storages."""
-    optimizer: torch.optim.Optimizer
-    ids: Tuple[int, ...]           # ids of the optimizer and every wrapper found around it
-
-    @property
-    def name(self) -> str:
-        return type(self.optimizer).__name__
-
-
-@dataclass
-class Guarded:
-    """One storage's guard and the optimizer's tensors on it (what the guard's versions watch)."""
-    guard: Guard
-    holders: List[Holder] = field(default_factory=list)
-
-
-def _innermost(opt: Any) -> Tuple[Any, Tuple[int, ...]]:
-    """A torch optimizer and the ids of it and every torch-optimizer wrapper around it (Accelerate's
-    AcceleratedOptimizer keeps the real one in `.optimizer`, Lightning's LightningOptimizer in
-    `._optimizer`): the step hook sees the innermost one."""
-    ids = [id(opt)]
-    for _ in range(8):
-        inner = getattr(opt, "optimizer", None)
-        if not isinstance(inner, torch.optim.Optimizer):
-            inner = getattr(opt, "_optimizer", None)
-        if not isinstance(inner, torch.optim.Optimizer) or inner is opt:
-            break
-        opt = inner
-        ids.append(id(opt))
-    return opt, tuple(ids)
-
-
-def _hooked(opt: Any) -> bool:
-    """Its step() runs torch's global step hooks (Optimizer.__init__ wraps the class's step): only
-    then can the fence hold it. A wrapper that never called Optimizer.__init__ around something else
-    (Accelerate's around DeepSpeed's ZeRO optimizer, whose engine steps an inner one) is not held."""
-    return bool(getattr(type(opt).step, "hooked", False))
-
-
-def optimizers_in(state: Any, extra: Iterable[Any] = ()) -> List[Tuple[Any, Tuple[int, ...]]]:
-    """The optimizers found in `state` (its dicts, lists and tuples, as the walk finds parameter
-    owners) and in `extra` (save(optimizers=...)), unwrapped, each once; only those whose step the
-    fence can hold (anything else is copied before save() returns)."""
-    found: Dict[int, Tuple[Any, Tuple[int, ...]]] = {}
-
-    def add(v: Any) -> None:
-        if not isinstance(v, torch.optim.Optimizer):  # e.g. DeepSpeed's ZeRO optimizer: not deferred
-            return
-        opt, ids = _innermost(v)
-        if not _hooked(opt):
-            return
-        old = found.get(id(opt))
-        found[id(opt)] = (opt, tuple(dict.fromkeys((old[1] if old else ()) + ids)))
-
-    each_leaf(state, add)
-    for v in extra:
-        add(getattr(v, "_optimizer", v) if not isinstance(v, torch.optim.Optimizer) else v)
-    return list(found.values())
-
-
-class Guards:
-    """storage -> the one optimizer that holds tensors there and those tensors. A storage held by two
-    optimizers, or by parameters updated in backward, is nobody's: copied before save() returns."""
-
-    def __init__(self, optimizers: Sequence[Tuple[Any, Tuple[int, ...]]]):
-        self._by_storage: Dict[StorageKey, Optional[Guarded]] = {}
-        self.optimizers = 0
-        for opt, ids in optimizers:
-            if type(opt).__name__ in _UPDATE_IN_BACKWARD:
-                continue
-            self.optimizers += 1
-            guard = Guard(opt, ids)
-            for group in opt.param_groups:
-                for p in group.get("params", ()):
-                    if not isinstance(p, torch.Tensor):
-                        continue
-                    self._add(guard, Holder(p, "parameter"), shared=bool(getattr(p, "_in_backward_optimizers", None)))
-                    for name, v in opt.state.get(p, {}).items():
-                        if isinstance(v, torch.Tensor):
-                            self._add(guard, Holder(v, f"state {name!r}"))
-
-    def _add(self, guard: Guard, holder: Holder, shared: bool = False) -> None:
-        key = storage_key(holder.tensor)
-        if key is None:
-            return
-        if shared:
-            self._by_storage[key] = None
-            return
-        if key not in self._by_storage:
-            self._by_storage[key] = Guarded(guard)
-        entry = self._by_storage[key]
-        if entry is None:
-            return
-        if entry.guard.optimizer is not guard.optimizer:
-            self._by_storage[key] = None
-            return
-        entry.holders.append(holder)
-
-    def of(self, src: torch.Tensor) -> Optional[Guarded]:
-        """The guard of a write source (a view of optimizer-held memory), if one optimizer's step is
-        the only writer of its memory and it is big enough to be worth deferring."""
-        if nbytes(src) < SMALL_BYTES or not self._by_storage:
-            return None
-        key = storage_key(src)
-        return self._by_storage.get(key) if key is not None else None
-
-    def __bool__(self) -> bool:
-        return any(g is not None for g in self._by_storage.values())
-
-
-NO_GUARDS = Guards(())
-
-
-def closure_first(opt: Any) -> bool:
-    """True when `opt.step(closure)` evaluates the closure before it changes anything: torch's own
-    optimizers do (`loss = closure()` first). Anything else waits before its closure runs (a SAM-style
-    optimizer changes the parameters before calling it)."""
-    return type(opt).__module__.startswith("torch.optim.")
 
 
 # ---------------------------------------------------------------------------------- pending copies
@@ -206,7 +48,7 @@ class Pending:
             for h in entry.holders:
                 if id(h.tensor) not in seen:
                     seen.add(id(h.tensor))
-                    self._watch.append((key, entry.guard, h, h.tensor._version))
+                    self._watch.append((key, entry.guard, h, version(h.tensor)))
         self.opt_ids: Set[int] = {i for _, entry in items for i in entry.guard.ids}
         self.passed: Set[int] = set()              # optimizers (id of the innermost) past the fence (CUDA)
         self.error: Optional[CheckpointError] = None
@@ -228,7 +70,7 @@ class Pending:
         for key, g, h, was in self._watch:
             if id(g.optimizer) in self.passed or (only is not None and id(g.optimizer) not in only):
                 continue
-            now = h.tensor._version
+            now = version(h.tensor)
             if now != was:
                 self.error = _changed_error(self.path, key, g, h, was, now, where)
                 return
@@ -239,6 +81,7 @@ class Pending:
         with self._lock:
             self._check("while its copy was pending")
             self._landed.set()
+            self._watch = []  # nothing reads it once landed: do not keep the optimizer and its tensors alive
         _release(self)
 
     def fail(self, error: BaseException) -> None:
@@ -247,6 +90,7 @@ class Pending:
                 self.error = error if isinstance(error, CheckpointError) else CheckpointError(
                     f"async staging: copying the optimizers' tensors for {self.path!r} failed: {error}")
             self._landed.set()
+            self._watch = []
         _release(self)
 
     def pass_fence(self, opt: Any) -> None:
@@ -295,7 +139,7 @@ def _changed_error(path: str, key: str, g: Guard, h: Holder, was: int, now: int,
 _LOCK = threading.Lock()
 _INSTALLED = False
 _HELD: Tuple[Pending, ...] = ()                # every Pending not landed yet, of every fence
-_FENCES: "weakref.WeakSet[StepFence]" = weakref.WeakSet()  # open fences that deferred copies
+_FENCES: "weakref.WeakSet[StepFence]" = weakref.WeakSet()  # one per open Checkpointer (under _LOCK)
 _TRIGGERS: Tuple["AfterFirstSteps", ...] = ()  # armed warm-up triggers
 
 
@@ -325,6 +169,19 @@ def _release(pending: Pending) -> None:
     global _HELD
     with _LOCK:
         _HELD = tuple(p for p in _HELD if p is not pending and not p.landed)
+        fences = list(_FENCES)  # iterated under the lock: another thread may add one meanwhile
+    for fence in fences:
+        fence.pending()  # prunes the landed ones: a landed save holds no reference to the training state
+
+
+def drain_every(timeout_s: float) -> None:
+    """Wait until every pending copy of this process landed, whichever Checkpointer made it: a load
+    into the live tensors by any engine writes their memory without moving torch's version counters,
+    so the guard of another engine's save would not see it."""
+    for p in _HELD:
+        if not p.wait(timeout_s):
+            p.fail(CheckpointError(f"async staging: the copy for {p.path!r} did not land within "
+                                   f"{timeout_s:.0f} s (timeout_s)"))
 
 
 class StepFence:
@@ -336,12 +193,13 @@ class StepFence:
         self._pending: List[Pending] = []
         self._lock = threading.Lock()
         _install()  # at setup, not from a save that may run beside a step on another thread
+        with _LOCK:
+            _FENCES.add(self)  # open now: the first save made inside step(closure) must hold that update too
 
     def add(self, pending: Pending) -> None:
         pending.timeout_s = self.timeout_s
         with self._lock:
             self._pending = [p for p in self._pending if not p.landed] + [pending]
-        _FENCES.add(self)
         _hold(pending)
 
     def pending(self) -> List[Pending]:
@@ -358,7 +216,8 @@ class StepFence:
 
     def close(self) -> None:
         self.drain()
-        _FENCES.discard(self)
+        with _LOCK:
+            _FENCES.discard(self)
 
 
 def _wait_for(opt: Any) -> None:
@@ -370,7 +229,7 @@ def _wait_for(opt: Any) -> None:
 
 def _step_pre_hook(opt: Any, args: tuple, kwargs: dict):
     """torch calls this before every Optimizer.step (args[0] is the optimizer itself)."""
-    if not _HELD and not _FENCES:  # nothing pending and no async staging open: the per-step cost
+    if not _HELD and not _FENCES:  # nothing pending and no Checkpointer open: the per-step cost
         return None
     closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
     if closure is None:

@@ -18,7 +18,7 @@ from ..dist.comm import Comm
 from ..monitor import OFF, Recorder
 from ..planning.planner import LocalPlan, SavePlan
 from ..state.flatten import TypeRegistry
-from . import gate, save_plan, stage, write
+from . import gate, guards, save_plan, stage, write
 from .handles import PendingSaves, SaveHandle
 from .staging import StagingPool
 from .workers import BackgroundRunner, Workers
@@ -112,11 +112,11 @@ def _deferral(res: SaveResources, state: Dict[str, Any], optimizers: Sequence[An
     mode = res.async_staging if mode is None else mode
     if res.fence is None or mode is False or gate.cuda_capturing():
         return None
-    found = gate.optimizers_in(state, optimizers)
+    found = guards.optimizers_in(state, optimizers)
     if mode == "auto":  # CUDA tensors only: measured on CPU in docs/async_staging.md
         found = [(o, ids) for o, ids in found if any(p.is_cuda for g in o.param_groups for p in g["params"][:1])]
-    guards = gate.Guards(found) if found else gate.NO_GUARDS
-    return stage.Deferral(guards, res.fence, cpu=mode is True) if guards else None
+    held = guards.Guards(found, guards.written_in_forward(state)) if found else guards.NO_GUARDS
+    return stage.Deferral(held, res.fence, cpu=mode is True) if held else None
 
 
 def warm_up(res: SaveResources, comm: Comm, state: Dict[str, Any], timeout_s: float,

@@ -27,7 +27,7 @@ import torch
 from ..monitor import OFF, Recorder
 from ..planning.planner import LocalPlan, WriteItem
 from ..state.flatten import TensorEntry
-from . import gate
+from . import gate, guards
 from .handles import SaveHandle
 from .save_plan import PlanCache
 from .staging import StagingPool, copy_cpu
@@ -39,11 +39,11 @@ from .write import Written, source_of
 class Deferral:
     """Async staging of one save: the guards of the state's optimizers and the Checkpointer's fence.
     `cpu`: CPU sources are deferred too (async_staging=True), not only CUDA ones ("auto")."""
-    guards: gate.Guards
+    guards: guards.Guards
     fence: gate.StepFence
     cpu: bool
 
-    def of(self, src: torch.Tensor) -> Optional[gate.Guarded]:
+    def of(self, src: torch.Tensor) -> Optional[guards.Guarded]:
         if not (src.is_cuda or (self.cpu and src.device.type == "cpu")):
             return None
         return self.guards.of(src)
@@ -170,6 +170,7 @@ def start(pool: StagingPool, runner: BackgroundRunner, threads: int, early: Opti
     staging = early.staging if early is not None else pool.session(pool.acquire())
     slot = staging.slot
     items = staging_items(local, data)
+    gpu_events: List[Any] = []
     try:
         t_copy = time.perf_counter()
         early_bufs = early.buffers(local) if early is not None else None
@@ -188,6 +189,8 @@ def start(pool: StagingPool, runner: BackgroundRunner, threads: int, early: Opti
         pending, cpu_pairs, gpu_events = _defer(deferral, handle, rec, local, items, staged, guarded, deferred)
         write, start_beat = written.start_background()
     except BaseException:
+        for _, event in gpu_events:
+            event.synchronize()  # side-stream copies queued into the slot finish before it is reused
         pool.release(slot)
         raise
     if pending is not None:
@@ -241,8 +244,8 @@ def _defer(deferral: Optional[Deferral], handle: SaveHandle, rec: Recorder, loca
            guarded, deferred: List[int]):
     """The Pending of this save's deferred copies (GPU ones queued now), its CPU pairs, GPU events."""
     stats = handle.stats
-    now_bytes = sum(gate.nbytes(src) for i, (_, src) in enumerate(items) if guarded[i] is None)
-    later_bytes = sum(gate.nbytes(items[i][1]) for i in deferred)
+    now_bytes = sum(guards.nbytes(src) for i, (_, src) in enumerate(items) if guarded[i] is None)
+    later_bytes = sum(guards.nbytes(items[i][1]) for i in deferred)
     stats.update(async_staging=deferral is not None, copied_now_bytes=now_bytes, deferred_bytes=later_bytes)
     if deferral is not None:
         stats["guarded_optimizers"] = deferral.guards.optimizers
@@ -277,7 +280,7 @@ def _land(pending: gate.Pending, cpu_pairs, gpu_events, staged, handle: SaveHand
     else:
         pending.land()
     t1 = time.perf_counter()
-    nbytes = sum(gate.nbytes(b) for b, _ in cpu_pairs)
+    nbytes = sum(guards.nbytes(b) for b, _ in cpu_pairs)
     rec.add("copy.deferred", t, t1, nbytes, len(cpu_pairs))
     handle.stats["deferred_copy_s"] = t1 - t
     if pending.error is not None:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import bytecheckpoint as bcp
-from bytecheckpoint.pipeline import gate, stage
+from bytecheckpoint.pipeline import gate, guards, stage
 
 
 class Held:
@@ -394,14 +394,17 @@ def test_hooks_are_never_registered_or_removed_beside_a_step(tmp_path):
                 pass  # the 'pre' save's failure (checked above)
 
 
-def test_a_save_inside_the_closure_holds_that_update(tmp_path, monkeypatch, ckpt):
+@pytest.mark.parametrize("first", [True, False], ids=["first_save", "later_save"])
+def test_a_save_inside_the_closure_holds_that_update(tmp_path, monkeypatch, ckpt, first):
     """A checkpoint taken from training_step (Lightning: inside step(closure)) is pending when the
     update comes: the update waits for its copies too (fused AdamW moves no version counter, so the
-    guard could not tell)."""
+    guard could not tell), also when it is the process's first deferred save (the step's pre-hook ran
+    before any copy was pending: review found that closure unwrapped and the checkpoint torn)."""
     m = model(bn=False)
     opt = torch.optim.AdamW(m.parameters(), lr=0.1, fused=True)
     train_step(m, opt)
-    ckpt.save(tmp_path / "warm", {"model": m, "optim": opt}).wait()  # async staging in use in this process
+    if not first:
+        ckpt.save(tmp_path / "warm", {"model": m, "optim": opt}).wait()  # async staging in use in this process
     held = Held(monkeypatch)
     saved = {}
 
@@ -478,7 +481,7 @@ def test_warm_up_trigger_fires_once_and_disarms(monkeypatch):
     never = gate.AfterFirstSteps(lambda o: [Wrapper(zero)], fired.append, owner=owner)
     train_step(m, opt)
     assert not never.armed and fired == [owner]  # disarmed: it would be called at every step forever
-    assert gate.optimizers_in({"optim": Wrapper(zero)}) == []  # its tensors are copied before save() returns
+    assert guards.optimizers_in({"optim": Wrapper(zero)}) == []  # its tensors are copied before save() returns
 
 
 def test_off_and_auto_on_cpu_copy_everything_before_returning(tmp_path):
@@ -497,22 +500,24 @@ def test_guards_match_storages():
     opt = torch.optim.AdamW(m.parameters())
     train_step(m, opt)
     w, b = m[0].weight, m[0].bias
-    guards = gate.Guards(gate.optimizers_in({"o": opt}))
-    assert guards.of(w.detach()).guard.optimizer is opt                       # a state_dict's detach()
-    assert guards.of(w.detach()[:128]) is not None                             # a view (a box of it)
-    assert guards.of(opt.state[w]["exp_avg"]) is not None
-    assert guards.of(b.detach()) is None                                      # small: copied now
-    assert guards.of(torch.zeros_like(w)) is None                             # not the optimizer's
-    twice = gate.Guards(gate.optimizers_in({"a": opt, "b": torch.optim.SGD([w], lr=1)}))
+    held = guards.Guards(guards.optimizers_in({"o": opt}))
+    assert held.of(w.detach()).guard.optimizer is opt                       # a state_dict's detach()
+    assert held.of(w.detach()[:128]) is not None                             # a view (a box of it)
+    assert held.of(opt.state[w]["exp_avg"]) is not None
+    assert held.of(b.detach()) is None                                      # small: copied now
+    assert held.of(torch.zeros_like(w)) is None                             # not the optimizer's
+    twice = guards.Guards(guards.optimizers_in({"a": opt, "b": torch.optim.SGD([w], lr=1)}))
+    capturable = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(256, 256))], capturable=True)
+    assert not guards.Guards(guards.optimizers_in({"o": capturable}))          # a CUDA-graph step: copied now
     assert twice.of(w.detach()) is None                                       # two optimizers: nobody's
     class Wrapped(torch.optim.Optimizer):  # Accelerate's AcceleratedOptimizer: no Optimizer.__init__
         def __init__(self, inner):
             self.optimizer = inner
     wrapped = Wrapped(opt)
-    (found,) = gate.optimizers_in({"optim": wrapped})
+    (found,) = guards.optimizers_in({"optim": wrapped})
     assert found[0] is opt and id(wrapped) in found[1]                        # the hook sees the inner one
     zero = type("ZeroOptimizer", (), {"optimizer": opt})()                     # DeepSpeed's: not a torch optimizer
-    assert gate.optimizers_in({"optim": zero}) == []
+    assert guards.optimizers_in({"optim": zero}) == []
 
 
 def test_options_and_environment():
@@ -644,3 +649,60 @@ def test_saves_right_after_a_background_warm_up_never_wait_for_it(tmp_path):
             for h in handles:
                 h.wait(timeout=60)
             future.result(60)
+
+
+def test_a_load_by_another_checkpointer_waits_for_pending_copies(tmp_path, monkeypatch, ckpt):
+    """A load writes the live tensors' memory without moving their version counters: one by another
+    engine (bcp.load's default one) must wait for this engine's pending copies, or the save commits
+    the loaded values as if they were the state at save()."""
+    m = model(bn=False)
+    opt = torch.optim.AdamW(m.parameters(), lr=0.1)
+    train_step(m, opt)
+    with bcp.Checkpointer() as other:
+        other.save(tmp_path / "sevens", {"w": torch.full_like(m[0].weight, 7.0)})
+        ref = snapshot(m, opt)
+        held = Held(monkeypatch)
+        h = ckpt.save(tmp_path / "a", {"model": m, "optim": opt})
+        held.release(after_s=0.3)
+        other.load(tmp_path / "sevens", {"w": m[0].weight.detach()})
+        assert held.done.is_set(), "the other engine's load ran before the pending copy landed"
+    h.wait()
+    assert_saved(ckpt, tmp_path / "a", ref)
+    assert torch.equal(m[0].weight, torch.full_like(m[0].weight, 7.0))
+
+
+def test_a_landed_save_keeps_nothing_alive(tmp_path, ckpt):
+    """Once its copies landed, a save holds no reference to the optimizer or the model (an engine that
+    is never closed, bcp.save's default one, must not keep the last saved model resident)."""
+    import gc
+    import weakref
+    m = model(bn=False)
+    opt = torch.optim.AdamW(m.parameters())
+    train_step(m, opt)
+    h = ckpt.save(tmp_path / "a", {"model": m, "optim": opt})
+    h.wait()
+    alive = weakref.ref(opt), weakref.ref(m[0].weight)
+    del m, opt, h
+    gc.collect()
+    assert [r() is None for r in alive] == [True, True]
+
+
+def test_an_embedding_with_max_norm_is_copied_before_save_returns(tmp_path, monkeypatch, ckpt):
+    """nn.Embedding(max_norm=...) renormalises the rows it looks up, in place, in every forward: its
+    weight is copied before save() returns, so training on at once does not fail the save."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Embedding(1000, 64, max_norm=1.0), torch.nn.Linear(64, 256))
+    opt = torch.optim.AdamW(m.parameters(), lr=0.1)
+    ids = torch.randint(0, 1000, (64,))
+    m(ids).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    ref = snapshot(m, opt)
+    held = Held(monkeypatch)
+    h = ckpt.save(tmp_path / "a", {"model": m, "optim": opt})
+    assert h.stats["deferred_bytes"] > 0  # the Linear's tensors still are
+    m(torch.randint(0, 1000, (64,))).square().mean().backward()  # renormalises rows in place
+    held.release(after_s=0.2)
+    opt.step()
+    h.wait()
+    assert_saved(ckpt, tmp_path / "a", ref)
