@@ -61,11 +61,12 @@ Item = Tuple[str, str, np.ndarray]  # (array path, chunk name, payload)
 
 
 def write(storage, workers, data_dir: str, rank: int, items: Sequence[Item], block_checksums, block_bytes: int,
-          rec=None, safetensors: Optional[Mapping[str, STArray]] = None
+          rec=None, safetensors: Optional[Mapping[str, STArray]] = None, background: bool = False
           ) -> Tuple[Dict[str, Dict[str, Tuple[int, ...]]], Dict[str, Dict[str, Tuple[str, int]]]]:
     """Write `items` into this rank's packs; returns ({array: {chunk: block crc32s}},
     {array: {chunk: (pack key, offset)}}). `rec` (a monitor Recorder) gets a "write.pack" span
-    per pack. `safetensors` (st_arrays): arrays whose chunks go into safetensors packs (format 6)."""
+    per pack. `safetensors` (st_arrays): arrays whose chunks go into safetensors packs (format 6).
+    `background`: written by an async save's job (Storage.write_parts)."""
     views = [memoryview(np.ascontiguousarray(p)).cast("B") for _, _, p in items]
     heads, groups, dropped = st_layout(items, views, safetensors or {})
     in_st = {i for g in groups for i in g} | dropped
@@ -98,7 +99,7 @@ def write(storage, workers, data_dir: str, rank: int, items: Sequence[Item], blo
             parts.append(views[i])
             pos = where[i][1] + len(views[i])
         try:
-            storage.write_parts(keys[k], parts).result()
+            storage.write_parts(keys[k], parts, background).result()
         except CheckpointError:  # storage errors name the object and the store already (and keep their type)
             raise
         except Exception as exc:  # noqa: BLE001 - name the file and what it holds

@@ -13,9 +13,11 @@ commit) then fsyncs what is left: small files and new directories, or, when ther
 them, flushes the whole file system once (syncfs). Measured against one syncfs at the end, which
 also waits for every other process's dirty data on that file system: docs/results.md.
 
-Files of DATASYNC_BYTES or more are written with O_DIRECT (direct_io "auto", the default, or True):
-no copy into the page cache, no dirty pages for the kernel to flush on the training's cores
-(docs/async_staging.md: 0.7-1.1 CPU-s/GiB buffered vs ~0.1 here). Requests are whole 4 KiB pages
+Files of DATASYNC_BYTES or more that an async save's job writes are written with O_DIRECT (direct_io
+"auto", the default; True: every save's): no copy into the page cache, no dirty pages for the kernel
+to flush on the training's cores (docs/async_staging.md: 2.6 CPU-s/GiB buffered vs ~0.2 here). A
+sync save blocks training anyway: its files stay buffered, in the page cache for a load that follows
+(measured: a resume right after a save reads 3-4x slower after O_DIRECT writes). Requests are whole 4 KiB pages
 from page-aligned memory: page-aligned parts go straight from their buffer, the rest through a
 small aligned bounce buffer; the last page is padded and the file cut to its size, so the bytes are
 exactly the buffered path's. A file system that refuses O_DIRECT (tmpfs, some FUSE) is remembered
@@ -134,13 +136,14 @@ class PosixStorage(Storage):
     def write(self, key: str, data: memoryview) -> Request:
         return self.write_parts(key, [data])
 
-    def write_parts(self, key: str, parts: Sequence[memoryview]) -> Request:
+    def write_parts(self, key: str, parts: Sequence[memoryview], background: bool = False) -> Request:
         """The parts written in place, back to back, with writev (no join), or with O_DIRECT when
-        they are DATASYNC_BYTES or more (see the module docstring); such a file is fdatasync'ed
-        now, a smaller one by sync()."""
+        they are DATASYNC_BYTES or more and `background` (an async save's) or direct_io is True (see
+        the module docstring); such a file is fdatasync'ed now, a smaller one by sync()."""
         path = self._path(key)
         views = [v for v in (memoryview(p).cast("B") for p in parts) if len(v)]  # bytes, whatever the format
-        if self._direct_ok is not False and sum(len(v) for v in views) >= DATASYNC_BYTES:
+        direct = self._direct_ok is not False and (background or self.direct_io is True)
+        if direct and sum(len(v) for v in views) >= DATASYNC_BYTES:
             try:
                 self._write_direct(path, views)
                 self._direct_ok = True
