@@ -23,7 +23,6 @@ from . import _routes as routes
 
 logger = logging.getLogger(__name__)
 _TRIGGERS: "weakref.WeakKeyDictionary[Any, AfterFirstSteps]" = weakref.WeakKeyDictionary()
-_STARTED: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
 
 
 class WarmUpMixin:
@@ -36,18 +35,19 @@ class WarmUpMixin:
     @property
     def warm_up_started(self) -> Any:
         """The Future (bytes allocated) of the automatic warm-up, or None before it started."""
-        return _STARTED.get(self)
+        trigger = _TRIGGERS.get(self)
+        return trigger.result if trigger is not None else None
 
-    def _warm_up_now(self) -> None:
+    def _warm_up_now(self) -> Any:
         if not self._async or self._ckpt.closed:
-            return
+            return None
         route = routes.route_for(self._accelerator, compat.models(self._accelerator))
         collective = self._collective(route)
         if not collective and not self._writes():
-            return
+            return None
         group = {} if collective else {"process_group": bcp.LOCAL}
-        _STARTED[self] = self._ckpt.warm_up(self._local_state(), background=True, **group)
-        logger.debug("bytecheckpoint: staging warm-up started after the first optimizer step")
+        logger.debug("bytecheckpoint: staging warm-up starting after the first optimizer step")
+        return self._ckpt.warm_up(self._local_state(), background=True, **group)
 
 
 def _optimizers(a: WarmUpMixin) -> Optional[list]:

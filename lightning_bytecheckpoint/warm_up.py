@@ -26,12 +26,12 @@ from .checkpoint_io import ByteCheckpointIO
 
 log = logging.getLogger(__name__)
 _ARMED: "weakref.WeakKeyDictionary[ByteCheckpointIO, AfterFirstSteps]" = weakref.WeakKeyDictionary()
-_STARTED: "weakref.WeakKeyDictionary[ByteCheckpointIO, Any]" = weakref.WeakKeyDictionary()
 
 
 def started(io: ByteCheckpointIO) -> Any:
     """The Future of `io`'s last automatic warm-up (bytes allocated), or None if none started."""
-    return _STARTED.get(io)
+    trigger = _ARMED.get(io)
+    return trigger.result if trigger is not None else None
 
 
 def arm(io: ByteCheckpointIO, strategy: Any) -> None:
@@ -45,27 +45,28 @@ def arm(io: ByteCheckpointIO, strategy: Any) -> None:
         s = strategy_ref()
         return list(getattr(s, "optimizers", None) or ()) if s is not None else None
 
-    def fire(io: ByteCheckpointIO) -> None:
+    def fire(io: ByteCheckpointIO) -> Any:
         s = strategy_ref()
-        if s is not None:
-            warm_up(io, s)
-    _ARMED[io] = AfterFirstSteps(optimizers, fire, owner=io)
+        return warm_up(io, s) if s is not None else None
+    # a re-armed plugin still reports its last warm-up until the new one starts
+    _ARMED[io] = AfterFirstSteps(optimizers, fire, owner=io, result=old.result if old is not None else None)
 
 
-def warm_up(io: ByteCheckpointIO, strategy: Any) -> None:
+def warm_up(io: ByteCheckpointIO, strategy: Any) -> Any:
+    """Start `io`'s engine's background warm-up for what `strategy` will save; its Future, or None."""
     ckpt = io.checkpointer
     if not (ckpt.options.async_save if io.async_save is None else io.async_save) or ckpt.closed:
-        return
+        return None
     if isinstance(strategy, DeepSpeedStrategy):
-        return
+        return None
     parts = _class_switch.is_adapted(strategy) and strategy._saves_parts()
     if _class_switch.is_adapted(strategy) and not parts:
-        return  # FSDP "full": rank 0 saves a gathered state
+        return None  # FSDP "full": rank 0 saves a gathered state
     if not parts and not strategy.is_global_zero:
-        return  # Lightning saves on global rank 0 alone
+        return None  # Lightning saves on global rank 0 alone
     optimizer_states = [strategy.optimizer_state(o) for o in strategy.optimizers]
     if parts:
         optimizer_states = [_state.names_to_positions(s) if _state.keyed_by_names(s) else s for s in optimizer_states]
     state = {"state_dict": strategy.lightning_module_state_dict(), "optimizer_states": optimizer_states}
-    _STARTED[io] = ckpt.warm_up(state, process_group=None if parts else bcp.LOCAL, background=True)
-    log.debug("bytecheckpoint: staging warm-up started after the first optimizer step")
+    log.debug("bytecheckpoint: staging warm-up starting after the first optimizer step")
+    return ckpt.warm_up(state, process_group=None if parts else bcp.LOCAL, background=True)

@@ -24,7 +24,6 @@ from . import _routes as routes
 
 logger = logging.getLogger(__name__)
 _TRIGGERS: "weakref.WeakKeyDictionary[Any, AfterFirstSteps]" = weakref.WeakKeyDictionary()
-_STARTED: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
 # what _state saves of a checkpoint's tensors (no RNG: its gather is a collective of its own)
 _TENSORS = types.SimpleNamespace(output_dir=None, optimizer=True, scaler=True, rng=False, push=None)
 
@@ -42,18 +41,19 @@ class WarmUpMixin:
     @property
     def warm_up_started(self) -> Any:
         """The Future (bytes allocated) of the automatic warm-up, or None before it started."""
-        return _STARTED.get(self)
+        trigger = _TRIGGERS.get(self)
+        return trigger.result if trigger is not None else None
 
-    def _warm_up_now(self) -> None:
+    def _warm_up_now(self) -> Any:
         if not self._async or self._ckpt.closed:
-            return
+            return None
         tr = self._trainer
         route = routes.route_for(tr)
         if not (route.collective or tr.args.should_save):
-            return
+            return None
         group = {} if route.collective else {"process_group": bcp.LOCAL}
-        _STARTED[self] = self._ckpt.warm_up(self._state(route, _TENSORS), background=True, **group)
-        logger.debug("bytecheckpoint: staging warm-up started after the first optimizer step")
+        logger.debug("bytecheckpoint: staging warm-up starting after the first optimizer step")
+        return self._ckpt.warm_up(self._state(route, _TENSORS), background=True, **group)
 
 
 def _optimizers(a: WarmUpMixin) -> Optional[list]:

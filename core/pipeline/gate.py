@@ -274,12 +274,13 @@ class AfterFirstSteps:
     are made by the first step), for the adapters' automatic warm_up. A GradScaler-skipped step does
     not count (no step ran). `fn` failing is logged, never raised into the training step. `owner` is
     held weakly: once it is gone, or `optimizers` returns None, or none of the optimizers it lists
-    reaches torch's step hooks (it would never fire), the trigger disarms; remove() disarms it too."""
+    reaches torch's step hooks (it would never fire), the trigger disarms; remove() disarms it too.
+    `result`: what `fn` returned unless None (the adapters' warm-up Future); the given `result` until."""
 
-    def __init__(self, optimizers: Callable[[Any], Optional[Sequence[Any]]], fn: Callable[[Any], None],
-                 owner: Any):
+    def __init__(self, optimizers: Callable[[Any], Optional[Sequence[Any]]], fn: Callable[[Any], Any],
+                 owner: Any, result: Any = None):
         global _TRIGGERS
-        self._optimizers, self._fn = optimizers, fn
+        self._optimizers, self._fn, self.result = optimizers, fn, result
         self._owner = weakref.ref(owner)
         self._stepped: Set[int] = set()
         _install()
@@ -313,7 +314,9 @@ class AfterFirstSteps:
             return
         self.remove()
         try:
-            self._fn(owner)
+            out = self._fn(owner)
+            if out is not None:  # None: nothing started (e.g. a sync engine)
+                self.result = out
         except Exception as exc:  # noqa: BLE001 - a warm-up never breaks training; the first save allocates
             log.warning("bytecheckpoint: the automatic staging warm-up failed (the first async save will allocate "
                         "its buffers instead): %s", exc)
