@@ -18,6 +18,7 @@ import logging
 import os
 from typing import Any, Dict
 
+from bytecheckpoint.storage.posix import fsync_path  # a file the Trainer did not write: nothing to keep
 from bytecheckpoint.tools.safetensors import SINGLE_FILE, link_views
 
 from . import _folders as folders
@@ -42,7 +43,7 @@ def save_kwargs(state: Dict[str, Any], route: Any, checkpoint_dir: str, output_d
 
     def before_commit(md: Any) -> None:
         if should_save:  # the Trainer's file a resume reads (its folder entry: with the folder below)
-            _fsync(os.path.join(output_dir, folders.TRAINER_STATE))
+            fsync_path(os.path.join(output_dir, folders.TRAINER_STATE))
         synced = set()  # link_views fsyncs the folder it links into
         for group, (folder, name) in targets.items():
             if group not in md.safetensors:
@@ -54,19 +55,8 @@ def save_kwargs(state: Dict[str, Any], route: Any, checkpoint_dir: str, output_d
         if should_save and route is not routes.REPLICATED:  # a weights file _gathered.py had the Trainer write
             for name in os.listdir(output_dir):
                 if name.endswith((".safetensors", ".safetensors.index.json")):
-                    _fsync(os.path.join(output_dir, name))
+                    fsync_path(os.path.join(output_dir, name))
         if should_save and output_dir not in synced:
-            _fsync(output_dir)
+            fsync_path(output_dir)
     return {"safetensors": list(targets), "before_commit": before_commit}
 
-
-def _fsync(path: str) -> None:
-    """fsync a file or a folder (a file the Trainer did not write is nothing to keep)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

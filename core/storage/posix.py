@@ -298,7 +298,7 @@ class PosixStorage(Storage):
             else:
                 os.replace(tmp, path)
             if durable:
-                _fsync_path(os.path.dirname(path), gone=OSError)
+                fsync_path(os.path.dirname(path), gone=OSError)
             else:
                 with self._dirs_lock:
                     self._unsynced.update((path, os.path.dirname(path)))
@@ -379,7 +379,7 @@ class PosixStorage(Storage):
         if len(pending) <= MAX_SINGLE_SYNCS:
             try:
                 for path in sorted(pending, key=lambda p: -p.count(os.sep)):  # files and leaves first
-                    _fsync_path(path)
+                    fsync_path(path)
             except OSError as exc:
                 raise classify_os_error(exc, f"flushing {self.url!r} to disk", self.url) from exc
             return
@@ -475,7 +475,7 @@ class _DirectWriter:
                 _BOUNCES.append(self._raw)
 
 
-def _fsync_path(path: str, gone=(FileNotFoundError, NotADirectoryError)) -> None:
+def fsync_path(path: str, gone=(FileNotFoundError, NotADirectoryError)) -> None:
     """fsync a file or directory; an open that fails with `gone` means nothing to keep (removed
     since, or for a directory fsync after a put: not openable at all)."""
     try:
