@@ -113,6 +113,25 @@ LORA_SHAPES = {  # name -> (rank, target modules)
 }
 
 
+def checkpoint_folder(t) -> str:
+    """The folder a Trainer's checkpoint at its current global step goes to."""
+    return os.path.join(t.args.output_dir, f"checkpoint-{t.state.global_step}")
+
+
+class TimedSaves:
+    """save(trainer, fn): fn() at a new global step (so every save gets a folder of its own), timed."""
+
+    def __init__(self, first_step: int = 100):
+        self.step = first_step
+
+    def __call__(self, t, fn: Callable[[], None]) -> float:
+        self.step += 1
+        t.state.global_step = self.step
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+
 def lora_trainer(out: str, layers: int, shape: str = "r16 attention"):
     from peft import LoraConfig, get_peft_model
     from transformers import Trainer, TrainingArguments
@@ -141,17 +160,7 @@ def lora_bench(root: str, layers: int, repeats: int, shape: str = "r16 attention
           f"{repeats} repeats", flush=True)
     times: Dict[str, List[float]] = {k: [] for k in ("stock", "stock+fsync", "bcp async", "bcp sync")}
     size: Dict[str, int] = {}
-    step = [100]
-
-    def save(t, fn: Callable[[], None]) -> float:
-        step[0] += 1
-        t.state.global_step = step[0]
-        t0 = time.perf_counter()
-        fn()
-        return time.perf_counter() - t0
-
-    def folder(t) -> str:
-        return os.path.join(t.args.output_dir, f"checkpoint-{t.state.global_step}")
+    save, folder = TimedSaves(), checkpoint_folder
 
     for r in range(repeats + 1):
         got = {"stock": save(stock, lambda: stock._save_checkpoint(stock.model, None))}
@@ -243,17 +252,7 @@ def main() -> None:
         floor_bufs = [torch.empty_like(t) for t in state]  # a copy of the state into warm buffers
         files: Dict[str, int] = {}
         size: Dict[str, int] = {}
-        step = [100]
-
-        def folder(t) -> str:
-            return os.path.join(t.args.output_dir, f"checkpoint-{t.state.global_step}")
-
-        def save(t, fn: Callable[[], None]) -> float:
-            step[0] += 1
-            t.state.global_step = step[0]
-            t0 = time.perf_counter()
-            fn()
-            return time.perf_counter() - t0
+        save, folder = TimedSaves(), checkpoint_folder
 
         def clean(t) -> None:
             shutil.rmtree(t.args.output_dir, ignore_errors=True)
@@ -290,7 +289,7 @@ def main() -> None:
             clean(stock)
             handle._async = True  # the JIT save is synchronous all the same
             got["JIT bcp"] = save(ours, jit_manager(ours).execute_jit_checkpoint)
-            assert not handle.pending and ours.state.global_step == step[0]
+            assert not handle.pending and ours.state.global_step == save.step
             clean(ours)
             t0 = time.perf_counter()
             for buf, t in zip(floor_bufs, state):
