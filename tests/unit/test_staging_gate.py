@@ -554,6 +554,19 @@ def _takes_o_direct(directory) -> bool:
     return True
 
 
+def direct_writes(monkeypatch) -> list:
+    """The sizes of the files written through the O_DIRECT path from now on (in this test)."""
+    from bytecheckpoint.storage import posix
+    sizes = []
+    finish = posix._DirectWriter.finish
+
+    def counted(self):
+        sizes.append(self.size)
+        finish(self)
+    monkeypatch.setattr(posix._DirectWriter, "finish", counted)
+    return sizes
+
+
 def test_direct_writes_are_byte_identical_to_buffered(tmp_path):
     from bytecheckpoint.storage.posix import BOUNCE_BYTES, PosixStorage
     g = torch.Generator().manual_seed(1)
@@ -575,16 +588,9 @@ def test_direct_writes_are_byte_identical_to_buffered(tmp_path):
 def test_checkpoint_files_are_the_same_with_and_without_direct_io(tmp_path, monkeypatch):
     """Pack files (plain and format 6 safetensors ones) of the same state, written with O_DIRECT and
     buffered: the same bytes and the same file modes; the O_DIRECT path really wrote them."""
-    from bytecheckpoint.storage import posix
     torch.manual_seed(0)
     state = {"model": torch.nn.Linear(1024, 512), "big": torch.randn(700, 1000)}
-    direct = []
-    finish = posix._DirectWriter.finish
-
-    def counted(self):
-        direct.append(self.size)
-        finish(self)
-    monkeypatch.setattr(posix._DirectWriter, "finish", counted)
+    direct = direct_writes(monkeypatch)
     if not _takes_o_direct(tmp_path):
         pytest.skip("this file system refuses O_DIRECT")
     umask = os.umask(0o002)  # a group-writable umask (shared clusters): both modes follow it
@@ -610,16 +616,9 @@ def test_auto_bypasses_the_page_cache_for_async_saves_only(tmp_path, monkeypatch
     """direct_io="auto": an async save's packs are written with O_DIRECT (its background write competes
     with training for the CPU); a sync save's stay in the page cache, for a load that follows (a resume
     right after a save read 3-4x slower from disk: benchmarks/bench_real_model.py)."""
-    from bytecheckpoint.storage import posix
     if not _takes_o_direct(tmp_path):
         pytest.skip("this file system refuses O_DIRECT")
-    direct = []
-    finish = posix._DirectWriter.finish
-
-    def counted(self):
-        direct.append(self.size)
-        finish(self)
-    monkeypatch.setattr(posix._DirectWriter, "finish", counted)
+    direct = direct_writes(monkeypatch)
     state = {"big": torch.randn(700, 1000)}
     with bcp.Checkpointer() as c:
         c.save(tmp_path / "sync", state)
@@ -634,7 +633,7 @@ def test_a_file_system_that_refuses_o_direct(tmp_path, monkeypatch, where):
     aligned write. "auto" remembers it and writes buffered (same bytes); True is an error."""
     import errno
     from bytecheckpoint.storage import posix
-    real_open, real_pwrite = os.open, os.pwrite
+    real_open = os.open
 
     def refusing_open(path, flags, *a):
         if where == "open" and flags & os.O_DIRECT:
