@@ -129,18 +129,17 @@ def _parse(var: str, name: str, raw: str, typ: str) -> Any:
     text = raw.strip().lower()
     try:
         if name == "zero_redundancy":
-            return "auto" if text == "auto" else text not in ("0", "false", "no", "off")
+            return "auto" if text == "auto" else text not in _NO
         if name in ("async_staging", "direct_io"):
             if text not in _SWITCH:
                 raise ValueError(text)
             return _SWITCH[text]
         if name == "async_save":
-            return text in ("1", "true", "yes", "on")
+            return text in _YES
         if name in ("local_io", "fsdp1_route"):
             return text
         if name == "record_stats":
-            return {"1": "all", "true": "all", "yes": "all", "on": "all", "0": "off", "false": "off",
-                    "no": "off"}.get(text, text)
+            return "all" if text in _YES else "off" if text in _NO else text
         if "float" in typ:
             return float(text)
         return int(text)
@@ -148,8 +147,8 @@ def _parse(var: str, name: str, raw: str, typ: str) -> Any:
         raise CheckpointError(f"environment variable {var}={raw!r} is not a valid {name}") from None
 
 
-_SWITCH = {"auto": "auto", "1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False,
-           "off": False}
+_YES, _NO = ("1", "true", "yes", "on"), ("0", "false", "no", "off")  # every yes/no setting's words
+_SWITCH = {"auto": "auto", **dict.fromkeys(_YES, True), **dict.fromkeys(_NO, False)}
 
 
 def env_flag(var: str, default: bool, env: Optional[Mapping[str, str]] = None) -> bool:
@@ -157,8 +156,8 @@ def env_flag(var: str, default: bool, env: Optional[Mapping[str, str]] = None) -
     raw = (os.environ if env is None else env).get(var, "").strip().lower()
     if not raw:
         return default
-    if raw in ("1", "true", "yes", "on"):
+    if raw in _YES:
         return True
-    if raw in ("0", "false", "no", "off"):
+    if raw in _NO:
         return False
     raise CheckpointError(f"environment variable {var}={raw!r} must be 1/0 (true/false, yes/no, on/off)")

@@ -133,5 +133,5 @@ def warm_up(res: SaveResources, comm: Comm, state: Dict[str, Any], timeout_s: fl
     items = stage.staging_items(local, data)
     if not background:
         return res.staging().prepare(items)
-
-    return res.runner.spawn(lambda: res.staging().prepare(items, background=True))  # not in the saves' order: a save never waits for it, only for its slot
+    # outside the saves' order: a save never waits for it, only for its slot
+    return res.runner.spawn(lambda: res.staging().prepare(items, background=True))
