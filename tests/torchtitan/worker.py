@@ -1,0 +1,135 @@
+"""One rank of a torchtitan training run on CPU (gloo): `python worker.py` with RANK, WORLD_SIZE,
+LOCAL_RANK, MASTER_ADDR/PORT and TT_SPEC (JSON, see launch.py) in the environment.
+
+Builds torchtitan's llama3 debug model config, swaps in a byte-level tokenizer and a local
+dataset (no hub), picks the checkpoint manager ("dcp": torchtitan's own, "bcp": ours), runs the
+real Trainer, and writes what the tests compare (each step's loss and this rank's token batches)
+to TT_SPEC["out"]-r<rank>.json.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import shims  # noqa: E402
+
+shims.install()
+
+import torch  # noqa: E402
+
+from torchtitan.components.tokenizer import BaseTokenizer  # noqa: E402
+
+
+class ByteTokenizer(BaseTokenizer):
+    """UTF-8 bytes as tokens 0-255, BOS 256, EOS 257 (the debug model's vocabulary is 2048)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(BaseTokenizer.Config):
+        pass
+
+    def __init__(self, config: Config, *, tokenizer_path: str | None = None):
+        super().__init__()
+        self.bos_id, self.eos_id = 256, 257
+
+    def encode(self, text: str, add_bos: bool = True, add_eos: bool = True) -> list[int]:
+        return [self.bos_id] * add_bos + list(text.encode("utf-8")) + [self.eos_id] * add_eos
+
+    def decode(self, ids) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", "replace")
+
+    def get_vocab_size(self) -> int:
+        return 258
+
+
+def build_config(spec: dict):
+    from torchtitan.components.checkpoint import CheckpointManager
+    from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+    config = llama3_debugmodel()
+    config.tokenizer = ByteTokenizer.Config()
+    config.dataloader = HuggingFaceTextDataLoader.Config(dataset="c4_test", dataset_path=spec["data_dir"])
+    config.dump_folder = spec["dump"]
+    config.activation_checkpoint = None
+    config.validator.enable = False
+    config.metrics.log_freq = 1
+    config.metrics.enable_tensorboard = False
+    config.training.disable_cuda_graphs = True
+    config.training.seq_len = spec.get("seq_len", 64)
+    config.training.local_batch_size = spec.get("local_batch", 2)
+    config.training.global_batch_size = spec.get("global_batch", -1)
+    config.training.steps = spec["steps"]
+    config.training.max_norm = 1.0
+    config.debug.seed = 7
+    config.debug.deterministic = True
+    config.debug.enable_structured_logging = False
+    p = config.parallelism
+    p.spmd_backend = "partial_dtensor"
+    p.data_parallel_shard_degree = spec.get("dp_shard", -1)
+    p.data_parallel_replicate_degree = spec.get("dp_replicate", 1)
+    p.tensor_parallel_degree = spec.get("tp", 1)
+    p.pipeline_parallel_degree = spec.get("pp", 1)
+    p.pipeline_parallel_schedule = spec.get("pp_schedule", "1F1B")
+    p.pipeline_parallel_microbatch_size = spec.get("pp_microbatch", 1)
+    p.pipeline_parallel_layers_per_stage = spec.get("pp_layers_per_stage")
+    common = dict(enable=True, folder=spec.get("folder", "checkpoint"), interval=spec.get("interval", 2),
+                  last_save_model_only=False, keep_latest_k=spec.get("keep_latest_k", 0),
+                  load_step=spec.get("load_step", -1))
+    if spec.get("manager", "dcp") == "dcp":
+        config.checkpoint = CheckpointManager.Config(async_mode=spec.get("async_mode", "disabled"), **common)
+    else:
+        from torchtitan_bytecheckpoint import ByteCheckpointManager
+
+        config.checkpoint = ByteCheckpointManager.Config(async_mode=spec.get("async_mode", "disabled"),
+                                                         **common, **spec.get("bcp", {}))
+    return config
+
+
+def record(trainer, spec: dict) -> dict:
+    """Each step's global loss (as torchtitan logs it) and this rank's input token batches."""
+    seen = {"losses": {}, "batches": {}}
+    log = trainer.metrics_processor.log
+
+    def log_and_keep(step, global_avg_loss, *args, **kwargs):
+        seen["losses"][step] = float(global_avg_loss)
+        return log(step, global_avg_loss, *args, **kwargs)
+
+    trainer.metrics_processor.log = log_and_keep
+    generator = trainer.batch_generator
+
+    def batches(iterable):
+        for input_dict, labels in generator(iterable):
+            seen["batches"].setdefault(trainer.step, []).extend(input_dict["input"].tolist())
+            yield input_dict, labels
+
+    trainer.batch_generator = batches
+    return seen
+
+
+def main() -> None:
+    spec = json.loads(os.environ["TT_SPEC"])
+    from torchtitan.tools.logging import init_logger
+
+    init_logger()
+    config = build_config(spec)
+    trainer = config.build()
+    rank = torch.distributed.get_rank()
+    try:
+        shims.after_build(trainer)
+        seen = record(trainer, spec)
+        trainer.train()
+        trainer.checkpointer.maybe_wait_for_saving()
+    finally:
+        trainer.close()
+    with open(f"{spec['out']}-r{rank}.json", "w") as f:
+        json.dump({"losses": seen["losses"], "batches": seen["batches"], "final_step": trainer.step}, f)
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
