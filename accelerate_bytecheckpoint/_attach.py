@@ -35,12 +35,12 @@ from . import _agreement, _data, _staging
 from ._agreement import CHECKPOINT_SUBDIR, LEGACY_MODEL_FILES, save_on_each_node
 from . import _compat as compat
 from . import _routes as routes
-from ._metrics import MetricsLog
+from ._metrics import MetricsLog, MetricsMixin
 
 logger = logging.getLogger(__name__)
 
 _ATTACHMENT_ATTR = "_bytecheckpoint_attachment"
-_WRAPPED_METHODS = ("save_state", "load_state", "end_training", "prepare_data_loader")  # the last: _data.py
+_WRAPPED_METHODS = ("save_state", "load_state", "end_training", "prepare_data_loader", "log")  # _data.py, _metrics.py
 _MISSING = object()
 
 
@@ -71,7 +71,7 @@ class _Call:
     strict: bool = True
 
 
-class ByteCheckpointAttachment(_data.DataOrderMixin, _staging.WarmUpMixin):
+class ByteCheckpointAttachment(_data.DataOrderMixin, _staging.WarmUpMixin, MetricsMixin):
     """Handle returned by :func:`attach`. ``remove()`` restores Accelerate's default behaviour."""
 
     def __init__(self, accelerator: Any, checkpointer: "bcp.Checkpointer", *, owns_checkpointer: bool,
@@ -124,7 +124,6 @@ class ByteCheckpointAttachment(_data.DataOrderMixin, _staging.WarmUpMixin):
     def wait(self) -> None:
         """Block until every async save of the checkpointer is committed; re-raises a failure."""
         self._ckpt.wait()
-        self._metrics.flush()
 
     def latest(self) -> Optional[str]:
         """With ``ProjectConfiguration(automatic_checkpoint_naming=True)``: the ``checkpoint_<n>``
@@ -150,6 +149,7 @@ class ByteCheckpointAttachment(_data.DataOrderMixin, _staging.WarmUpMixin):
             return
         try:
             self.wait()
+            self._metrics.end()  # what no accelerator.log took, while the trackers are there
         finally:
             self._uninstall()
             if self._owns:
@@ -232,7 +232,6 @@ class ByteCheckpointAttachment(_data.DataOrderMixin, _staging.WarmUpMixin):
             return original(*args, **kwargs)
         # The previous save must be committed before Accelerate may prune folders (total_limit).
         self._ckpt.wait()
-        self._metrics.flush()
         _agreement.continue_naming(self._accelerator)  # never onto an existing (e.g. torn) checkpoint_<n>
         call = self._begin("save", routes.route_for(self._accelerator, compat.models(self._accelerator)))
         try:
@@ -270,7 +269,7 @@ class ByteCheckpointAttachment(_data.DataOrderMixin, _staging.WarmUpMixin):
     def _wrapped_end_training(self, original: Callable, *args: Any, **kwargs: Any) -> Any:
         if self._active:
             self._ckpt.wait()  # an async commit may still need the process group end_training destroys
-            self._metrics.flush()  # before the trackers finish
+            self._metrics.end()  # what no accelerator.log took, before the trackers finish
         return original(*args, **kwargs)
 
     # ------------------------------------------------------------------ hooks
@@ -470,8 +469,9 @@ def attach(accelerator: Any, checkpointer: Optional["bcp.Checkpointer"] = None, 
             of the replicated state, so ``save_state`` must be called on every process (a missing
             process is an error after ``timeout_s``). Default: the main process writes alone and
             ``save_state`` may be called on the main process only or on every process.
-        log_metrics: ``checkpoint/...`` metrics through ``accelerator.log`` (default on unless
-            BCP_LOG_METRICS=0), at ``metrics_step()`` (default: the checkpoint count). docs/monitoring.md.
+        log_metrics: ``checkpoint/...`` metrics with your next ``accelerator.log`` call, at its step
+            (default on unless BCP_LOG_METRICS=0; docs/monitoring.md). ``metrics_step()``: the training
+            step, for ``checkpoint/saved_step`` and what is left at ``end_training`` (default: the checkpoint count).
         data_order: every prepared loader keeps one global order on any process count, saved and
             restored with the checkpoint (docs/data.md); ``attachment.data_order``: the lines a load reported.
     """

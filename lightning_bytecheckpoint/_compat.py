@@ -166,3 +166,54 @@ def pending_loader_states(trainer: Any) -> list:
     if not isinstance(states, list):
         raise _missing("FitLoop._combined_loader_states_to_load list", "hand saved train loader positions over")
     return states
+
+
+# ---------------------------------------------------------------- the Trainer's log steps (_metrics.py)
+
+class _MergedLogMetrics:
+    """``trainer._logger_connector.log_metrics`` with ``merged(metrics)`` applied where Lightning
+    logs at the training step (``step=None``: its own step, ``_batches_that_stepped``): a call with
+    metrics, or a training batch's call at a ``log_every_n_steps`` step with none (the connector
+    calls then only; ``_first_loop_iter`` is a bool inside a batch loop, None at epoch ends, where
+    an empty call is no log step). Evaluation step logs pass their own step and go through untouched."""
+
+    def __init__(self, connector: Any, original: Callable[..., Any], merged: Callable[[dict], dict], owner: Any) -> None:
+        self.connector, self.original, self.merged, self.owner = connector, original, merged, owner
+
+    def __call__(self, metrics: Any, step: Any = None) -> Any:
+        if step is None and (metrics or getattr(self.connector, "_first_loop_iter", None) is not None):
+            metrics = self.merged(metrics)
+        return self.original(metrics, step)
+
+
+def merge_into_logs(trainer: Any, owner: Any, merged: Callable[[dict], dict]) -> None:
+    """Make ``merged`` add the plugin's waiting metrics to the metrics Lightning's logger connector
+    hands its loggers at each log step (once per trainer; ``unmerge`` undoes it). The connector
+    decides the cadence (``log_every_n_steps``) and the step; no public hook runs with its log
+    calls (a Callback's ``self.log`` would enter the callback metrics)."""
+    connector = getattr(trainer, "_logger_connector", None)
+    current = getattr(connector, "log_metrics", None)
+    if isinstance(current, _MergedLogMetrics) and current.owner is owner:
+        return
+    import inspect
+
+    if (not callable(current) or list(inspect.signature(current).parameters)[:2] != ["metrics", "step"]
+            or not hasattr(connector, "_first_loop_iter")):
+        raise _missing("Trainer._logger_connector.log_metrics(metrics, step) method and _first_loop_iter",
+                       "log the checkpoint/... metrics at the Trainer's log steps")
+    connector.__dict__["log_metrics"] = _MergedLogMetrics(connector, current, merged, owner)
+
+
+def unmerge(trainer: Any, owner: Any) -> None:
+    connector = getattr(trainer, "_logger_connector", None)
+    current = getattr(connector, "__dict__", {}).get("log_metrics")
+    if isinstance(current, _MergedLogMetrics) and current.owner is owner:
+        del connector.__dict__["log_metrics"]
+
+
+def log_step(trainer: Any) -> int:
+    """The step Lightning's logger connector logs training metrics at (``epoch_loop._batches_that_stepped``)."""
+    step = getattr(getattr(trainer.fit_loop, "epoch_loop", None), "_batches_that_stepped", None)
+    if not isinstance(step, int):
+        raise _missing("FitLoop.epoch_loop._batches_that_stepped counter", "log checkpoint/... metrics at the log step")
+    return step

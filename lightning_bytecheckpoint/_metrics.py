@@ -1,57 +1,58 @@
 """``checkpoint/...`` metrics of the plugin's saves and loads, into the Trainer's loggers
-(TensorBoard, CSV, W&B, ...): what ``LightningModule.log`` cannot do here (Lightning forbids it in
-checkpoint hooks, and a CheckpointIO is no hook). The numbers and their names are core's
-(``bytecheckpoint.monitor``); this only finds the loggers and hands the metrics over, on the
-training thread (loggers are not thread-safe). Off: ``ByteCheckpointIO(log_metrics=False)`` or
-``BCP_LOG_METRICS=0``.
+(TensorBoard, CSV, W&B, ...), at the Trainer's logging cadence: what ``LightningModule.log`` cannot
+do here (Lightning forbids it in checkpoint hooks, and a CheckpointIO is no hook).
+
+A save's or load's numbers wait (core's ``MetricsHandover``) until Lightning's logger connector
+next logs at the training step (every ``log_every_n_steps``, an epoch end, ``should_stop``) and go
+to the loggers in that same call, at Lightning's step, with its single ``logger.save()``;
+``trainer.logged_metrics`` then holds them too. An async save's completion goes with the first
+log step after it completed. Several saves waiting for one log step are summed into one entry
+(``checkpoint/saves`` counts them). What no log step took by the end of the run goes to the
+loggers at the plugin's teardown (the checkpointer's saves waited for first), at Lightning's
+last step, before Lightning finalizes them (a run stopped by an exception logs nothing more).
+Off: ``ByteCheckpointIO(log_metrics=False)`` or ``BCP_LOG_METRICS=0``.
 """
 from __future__ import annotations
 
-import logging
-from typing import Any, Dict, List, Optional
+from typing import Any, List, Optional
 
-from bytecheckpoint.common.options import env_flag
-from bytecheckpoint.monitor import MetricsFeed
+from bytecheckpoint.monitor.metrics import MetricsHandover
 
-log = logging.getLogger(__name__)
+from . import _compat
 
 
-class MetricsLog:
-    def __init__(self, enabled: Optional[bool]) -> None:
-        self.enabled = env_flag("BCP_LOG_METRICS", True) if enabled is None else bool(enabled)
-        self.feed = MetricsFeed()
+class MetricsLog(MetricsHandover):
+    def saved(self, io: Any, handle: Any, step: Optional[int]) -> None:  # type: ignore[override]
+        if self._connect(io):
+            super().saved(handle, step)
 
-    def saved(self, io: Any, handle: Any, step: Optional[int]) -> None:
-        """After a save: completions of earlier async saves, then this save's numbers (an async
-        save's stall now, the rest once it completed)."""
-        if self.enabled:
-            self.flush(io)
-            self._log(io, self.feed.saved(handle, step), step)
+    def loaded(self, io: Any, stats: Any, checkpoint: Any) -> None:  # type: ignore[override]
+        if self._connect(io):
+            super().loaded(stats)
 
-    def loaded(self, io: Any, stats: Any, checkpoint: Any) -> None:
-        if self.enabled:
-            step = checkpoint.get("global_step") if isinstance(checkpoint, dict) else None
-            self._log(io, self.feed.loaded(stats), step if isinstance(step, int) else None)
+    def _connect(self, io: Any) -> bool:
+        """A Trainer with loggers runs this plugin: its log steps carry what waits from now on."""
+        if not self.enabled:
+            return False
+        trainer = _trainer(io)
+        if trainer is None or not _loggers(trainer):
+            return False
+        _compat.merge_into_logs(trainer, self, self.merged)
+        return True
 
     def flush(self, io: Any) -> None:
-        """Completed async saves, logged at the current step (with checkpoint/saved_step)."""
-        if self.enabled:
-            for metrics in self.feed.ready():
-                trainer = _trainer(io)
-                self._log(io, metrics, getattr(trainer, "global_step", None))
-
-    def _log(self, io: Any, metrics: Dict[str, float], step: Optional[int]) -> None:
-        if not metrics:
+        """The run ends (the plugin's teardown, the checkpointer's saves waited for): what no log
+        step took goes to the loggers now, at Lightning's step; the connector is restored."""
+        trainer = _trainer(io)
+        if trainer is None:
             return
-        loggers = _loggers(_trainer(io))
-        try:
-            for logger in loggers:
-                logger.log_metrics(metrics, step=step)
-                logger.save()
-        except Exception as exc:  # noqa: BLE001 - metrics never fail a checkpoint
-            log.warning("bytecheckpoint: logging checkpoint metrics to %s failed (%s); turned off for this plugin",
-                        type(logger).__name__, exc)
-            self.enabled = False
+        _compat.unmerge(trainer, self)
+        leftover = self.take()
+        if leftover and not trainer.interrupted:  # an exception finalized the loggers already
+            step = _compat.log_step(trainer)
+            loggers = _loggers(trainer)
+            self.deliver(lambda m: [lg.log_metrics(m, step=step) for lg in loggers], leftover,
+                         ", ".join(type(lg).__name__ for lg in loggers))
 
 
 def _trainer(io: Any) -> Any:

@@ -68,8 +68,8 @@ class ByteCheckpointIO(CheckpointIO):
         restore_rng: save the saving rank's torch/numpy/python (and CUDA) RNG states and restore
             them on load.
         log_metrics: log ``checkpoint/...`` metrics (stall, save and load seconds, bytes,
-            throughput) to the Trainer's loggers (docs/monitoring.md). ``None``: on, unless
-            ``BCP_LOG_METRICS=0``.
+            throughput) to the Trainer's loggers, with the Trainer's next log step (its
+            ``log_every_n_steps`` and step; docs/monitoring.md). ``None``: on, unless ``BCP_LOG_METRICS=0``.
         data_order: save the train loader's position with every checkpoint and resume it on any
             device count, step for step (docs/data.md). On one device the loader then draws
             DistributedSampler's order instead of the global RNG's. ``data_order_report`` holds

@@ -68,8 +68,9 @@ class TrainerAttachment(_data.DataOrderMixin, _staging.WarmUpMixin):
     """Handle returned by :func:`attach`. ``remove()`` restores the Trainer's own checkpointing."""
 
     def __init__(self, trainer: Any, checkpointer: "bcp.Checkpointer", *, owns_checkpointer: bool,
-                 async_save: Optional[bool], storage_options: Optional[dict], log_metrics: Optional[bool] = None) -> None:
-        self._metrics = MetricsLog(trainer, log_metrics)  # checkpoint/... metrics via Trainer.log
+                 async_save: Optional[bool], storage_options: Optional[dict], log_metrics: Optional[bool] = None,
+                 metrics_in_log_history: bool = False) -> None:
+        self._metrics = MetricsLog(trainer, log_metrics, metrics_in_log_history)  # checkpoint/... to the callbacks
         self._trainer = trainer
         self._ckpt = checkpointer
         self._owns = owns_checkpointer
@@ -109,7 +110,6 @@ class TrainerAttachment(_data.DataOrderMixin, _staging.WarmUpMixin):
     def wait(self) -> None:
         """Block until every async save of the checkpointer is committed; re-raises a failure."""
         self._ckpt.wait()
-        self._metrics.flush()
 
     def remove(self) -> None:
         """Wait for pending saves, restore the Trainer's own methods (and close the checkpointer
@@ -118,6 +118,7 @@ class TrainerAttachment(_data.DataOrderMixin, _staging.WarmUpMixin):
             return
         try:
             self.wait()
+            self._metrics.end()  # what no Trainer log took (saves made outside train())
         finally:
             self._uninstall()
             if self._owns:
@@ -392,7 +393,6 @@ class TrainerAttachment(_data.DataOrderMixin, _staging.WarmUpMixin):
     def _w_finalize_training(self, original: Callable, trial: Any, num_train_samples: int, start_time: float) -> Any:
         if self._active:
             self._ckpt.wait()  # every checkpoint committed before the best one is loaded or others deleted
-            self._metrics.flush()
             args = self._trainer.args
             if args.should_save:  # what rotation kept while saves were in flight goes now, as stock would have
                 folders.rotate(self._ckpt, compat.output_dir(self._trainer, trial), args.save_total_limit,
@@ -429,7 +429,8 @@ def _world(trainer: Any) -> int:
 
 def attach(trainer: Any, checkpointer: Optional["bcp.Checkpointer"] = None, *, async_save: Optional[bool] = None,
            storage_options: Optional[dict] = None, log_metrics: Optional[bool] = None,
-           strict_data_order: bool = False, async_staging: Optional[bool] = None) -> TrainerAttachment:
+           strict_data_order: bool = False, async_staging: Optional[bool] = None,
+           metrics_in_log_history: bool = False) -> TrainerAttachment:
     """Make ``trainer`` save and resume checkpoints through bytecheckpoint (``checkpoint-<step>/
     bytecheckpoint``), reshardable to any process count and layout.
 
@@ -442,8 +443,11 @@ def attach(trainer: Any, checkpointer: Optional["bcp.Checkpointer"] = None, *, a
             in the background (waited for by the end of ``train()``, ``wait()`` and ``remove()``).
             Default: the checkpointer's setting. JIT checkpoints (SIGTERM) are always synchronous.
         storage_options: for remote storage; default: the checkpointer's.
-        log_metrics: ``checkpoint/...`` metrics (stall, save/load seconds, bytes, throughput) through
-            ``Trainer.log`` (default on unless BCP_LOG_METRICS=0; docs/monitoring.md).
+        log_metrics: ``checkpoint/...`` metrics (stall, save/load seconds, bytes, throughput) to the
+            ``report_to`` integrations and the console, with the Trainer's next log (default on unless
+            BCP_LOG_METRICS=0; docs/monitoring.md).
+        metrics_in_log_history: also record them in ``state.log_history`` (trainer_state.json), as
+            entries of their own (default: kept out of it, so resumed and uninterrupted runs compare equal).
         strict_data_order: a resume whose data would not continue step for step (a changed global
             batch) raises instead of warning; ``attachment.data_order`` holds the line (docs/data.md).
         async_staging: with async_save, the optimizer's tensors are copied behind the next forward and
@@ -474,7 +478,8 @@ def attach(trainer: Any, checkpointer: Optional["bcp.Checkpointer"] = None, *, a
     else:
         owns = False
     attachment = TrainerAttachment(trainer, checkpointer, owns_checkpointer=owns, async_save=async_save,
-                                   storage_options=storage_options, log_metrics=log_metrics)
+                                   storage_options=storage_options, log_metrics=log_metrics,
+                                   metrics_in_log_history=metrics_in_log_history)
     attachment._strict_data_order = bool(strict_data_order)
     attachment._install()
     attachment._staging_setup(async_staging, owns)

@@ -1,34 +1,33 @@
-"""``checkpoint/...`` metrics of the attachment's saves and loads, through ``Trainer.log`` (its
-``log_history`` and every ``report_to`` integration). The numbers and their names are core's
-(``bytecheckpoint.monitor``); handed over on the training thread only.
+"""``checkpoint/...`` metrics of the attachment's saves and loads, to the Trainer's callbacks: every
+``report_to`` integration (TensorBoard, W&B, MLflow, ...) and the console (the progress bar's or
+the printer's line), at the Trainer's own log steps, kept out of ``state.log_history``.
 
-Where ``Trainer.log`` is safe: it ends with ``on_log``, which clears ``control.should_log``, so it
-is never called from a step-end hook (the Trainer's own loss log of that step would be dropped);
-a JIT checkpoint (SIGTERM) is saved from step hooks by transformers itself, so a pending
-``should_log`` is set again after our log. Save metrics are logged right after the stock ``_save_checkpoint`` (the step's log has been
-written by then); a resume's load metrics from ``on_train_begin`` (the resumed ``log_history`` is
-in place by then); completions of async saves at the next save, the end of training, ``wait()``,
-at the step current then, with ``checkpoint/saved_step``. Off: ``attach(..., log_metrics=False)``
-or ``BCP_LOG_METRICS=0``.
+A save's or load's numbers wait (core's ``MetricsHandover``) until the Trainer next logs (every
+``logging_steps``, an evaluation, the end of training): the adapter's callback sees that log in
+``on_log`` and hands what waits to the same callbacks right after it, by
+``callback_handler.on_log``, at the same ``state.global_step``. ``Trainer.log`` is not called, so
+``log_history`` (saved in trainer_state.json, compared by resume checks) holds only the Trainer's
+own entries; ``attach(..., metrics_in_log_history=True)`` sends them through ``Trainer.log``
+instead (``log_history`` then has one more entry per hand-over). An async save's completion goes
+with the first log after it completed (the end of ``train()`` waits for every save before the
+Trainer's final log), with ``checkpoint/saved_step``; several saves waiting for one log are summed
+into one entry (``checkpoint/saves`` counts them); a resume's load numbers go with the first log
+of the resumed run. ``control.should_log`` is kept as it was. Off: ``attach(...,
+log_metrics=False)`` or ``BCP_LOG_METRICS=0``.
 """
 from __future__ import annotations
 
-import logging
 from typing import Any, Dict, Optional
 
-from bytecheckpoint.common.options import env_flag
-from bytecheckpoint.monitor import MetricsFeed
-
-log = logging.getLogger(__name__)
+from bytecheckpoint.monitor.metrics import MetricsHandover
 
 
-class MetricsLog:
-    def __init__(self, trainer: Any, enabled: Optional[bool]) -> None:
-        self.enabled = env_flag("BCP_LOG_METRICS", True) if enabled is None else bool(enabled)
-        self._trainer = trainer
-        self.feed = MetricsFeed()
-        self._load: Optional[Dict[str, float]] = None   # a resume's metrics, until on_train_begin
+class MetricsLog(MetricsHandover):
+    def __init__(self, trainer: Any, enabled: Optional[bool], in_history: bool = False) -> None:
+        super().__init__(enabled)
+        self._trainer, self.in_history = trainer, bool(in_history)
         self._callback: Any = None
+        self._sending = False
 
     def install(self) -> None:
         if self.enabled:
@@ -40,47 +39,43 @@ class MetricsLog:
             self._trainer.remove_callback(self._callback)
             self._callback = None
 
-    def saved(self, handle: Any) -> None:
-        if self.enabled:
-            self.flush()
-            self._log(self.feed.saved(handle, int(self._trainer.state.global_step)))
+    def saved(self, handle: Any, step: Optional[int] = None) -> None:
+        super().saved(handle, int(self._trainer.state.global_step))
 
-    def loaded(self, stats: Any) -> None:
-        if self.enabled:
-            self._load = self.feed.loaded(stats) or None
+    def logged(self) -> None:
+        """The Trainer logged (its on_log): what waits goes to the same callbacks, at the same step."""
+        if not self._sending:
+            self._send(self.take())
 
-    def flush(self) -> None:
-        if self.enabled:
-            for metrics in self.feed.ready():
-                self._log(metrics)
+    def end(self) -> None:
+        """``remove()``, the saves waited for: what no Trainer log took (saves made outside ``train()``)."""
+        self._send(self.take())
 
-    def train_begins(self) -> None:
-        load, self._load = self._load, None
-        if load:
-            self._log(load)
+    def _send(self, metrics: Dict[str, float]) -> None:
+        tr = self._trainer
+        due = bool(tr.control.should_log)   # on_log clears it; a step's pending log must stay pending
 
-    def _log(self, metrics: Dict[str, float]) -> None:
-        if not metrics:
-            return
-        # A JIT checkpoint (SIGTERM) may save from a step-end hook, after DefaultFlowCallback asked
-        # for this step's log: Trainer.log's on_log clears control.should_log, so ask again.
-        due = bool(getattr(getattr(self._trainer, "control", None), "should_log", False))
-        try:
-            self._trainer.log(dict(metrics))
-            if due:
-                self._trainer.control.should_log = True
-        except Exception as exc:  # noqa: BLE001 - metrics never fail a checkpoint
-            log.warning("bytecheckpoint: Trainer.log of checkpoint metrics failed (%s); turned off", exc)
-            self.enabled = False
+        def send(m: Dict[str, float]) -> None:
+            self._sending = True
+            try:
+                if self.in_history:
+                    tr.log(dict(m))
+                else:
+                    tr.control = tr.callback_handler.on_log(tr.args, tr.state, tr.control, dict(m))
+            finally:
+                self._sending = False
+                tr.control.should_log = due
+
+        self.deliver(send, metrics, "the Trainer's callbacks")
 
 
 def _callback(owner: MetricsLog) -> Any:
     from transformers import TrainerCallback
 
     class BytecheckpointMetrics(TrainerCallback):
-        """Logs a resume's checkpoint/load_* metrics once training begins."""
+        """Hands the checkpoint/... metrics over after each of the Trainer's logs."""
 
-        def on_train_begin(self, args, state, control, **kwargs):  # noqa: ANN001 - TrainerCallback's signature
-            owner.train_begins()
+        def on_log(self, args, state, control, logs=None, **kwargs):  # noqa: ANN001 - TrainerCallback's signature
+            owner.logged()
 
     return BytecheckpointMetrics()

@@ -9,15 +9,28 @@ Metric names (floats, so any tracker takes them):
   checkpoint/save_mb_s      save_bytes / save_s
   checkpoint/load_s, checkpoint/load_bytes (read + received from peers), checkpoint/load_mb_s
   checkpoint/saved_step     with an async save's completion, logged later: the step it saved
+  checkpoint/saves, checkpoint/saves_completed, checkpoint/loads
+                            only where several waited for one log step (fold): how many saves'
+                            stalls, saves' completions (save_s ...), loads were summed into it
+
+The adapters hold these until the framework logs (MetricsHandover): Lightning's next log step,
+the Trainer's next log, the user's next ``accelerator.log``; several waiting for the same log
+step are folded into one entry (seconds and bytes summed).
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+import logging
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
+from ..common.options import env_flag
 from .record import OFF, Phase, Recorder
 
 PREFIX = "checkpoint/"
 MAX_PENDING = 16
+_SUMMED = ("save_stall_s", "save_s", "save_write_s", "save_bytes", "load_s", "load_bytes")
+_RATES = {"save_mb_s": ("save_bytes", "save_s"), "load_mb_s": ("load_bytes", "load_s")}
+_COUNTED = {"saves": "save_stall_s", "saves_completed": "save_s", "loads": "load_s"}   # count: what marks one
+log = logging.getLogger(__name__)
 
 
 class SaveStats(dict):
@@ -96,9 +109,10 @@ class MetricsFeed:
 
     def __init__(self) -> None:
         self._pending: List[Tuple[SaveStats, Optional[int]]] = []
+        self._held: List[Dict[str, float]] = []   # known, waiting for the framework's next log
 
     def __getstate__(self) -> Dict[str, Any]:  # a pickled adapter (ddp_spawn): saves in flight stay here
-        return {"_pending": []}
+        return {"_pending": [], "_held": []}
 
     def saved(self, handle: Any, step: Optional[int] = None) -> Dict[str, float]:
         stats = getattr(handle, "stats", None)
@@ -131,3 +145,89 @@ class MetricsFeed:
                 out.append(m)
         self._pending = keep
         return out
+
+    def hold(self, metrics: Dict[str, float]) -> None:
+        """Keep ``metrics`` until ``take()`` (the framework's next log step)."""
+        if metrics:
+            self._held.append(dict(metrics))
+            if len(self._held) > MAX_PENDING:   # a framework that does not log for long: fold as we go
+                self._held = [fold(self._held)]
+
+    @property
+    def waiting(self) -> bool:
+        """Something is held, or an async save's completion is still to come."""
+        return bool(self._held or self._pending)
+
+    def take(self) -> Dict[str, float]:
+        """Everything known now and not handed out yet (held numbers, completed async saves), as
+        one entry for the framework's log step ({} when there is nothing)."""
+        entries, self._held = self._held + self.ready(), []
+        return fold(entries)
+
+
+def fold(entries: Iterable[Dict[str, float]], prefix: str = PREFIX) -> Dict[str, float]:
+    """Several entries that wait for one log step, as one: seconds and bytes summed, MB/s from the
+    sums, ``saved_step`` the newest; ``saves`` (stalls), ``saves_completed`` (save_s, ...) and
+    ``loads`` count what was summed where that is more than one (an entry folded before counts with
+    its own counts). One entry: unchanged."""
+    entries = [e for e in entries if e]
+    if len(entries) <= 1:
+        return dict(entries[0]) if entries else {}
+    out: Dict[str, float] = {}
+    counts = dict.fromkeys(_COUNTED, 0.0)
+    for e in entries:
+        for key, value in e.items():
+            name = key[len(prefix):] if key.startswith(prefix) else None
+            if name in _SUMMED:
+                out[key] = out.get(key, 0.0) + float(value)
+            elif name == "saved_step":
+                out[key] = max(out.get(key, float(value)), float(value))
+            elif name not in _RATES and name not in _COUNTED:
+                out[key] = value   # a key of someone else's: the newest value
+        for count, marker in _COUNTED.items():
+            if prefix + marker in e:
+                counts[count] += float(e.get(prefix + count, 1))
+    for rate, (nbytes, seconds) in _RATES.items():
+        if prefix + nbytes in out and out.get(prefix + seconds, 0.0) > 0:
+            out[prefix + rate] = out[prefix + nbytes] / out[prefix + seconds] / 1e6
+    out.update({prefix + count: n for count, n in counts.items() if n > 1})
+    return out
+
+
+class MetricsHandover:
+    """An adapter's side of the metrics: on or off (``log_metrics=``, else ``BCP_LOG_METRICS``),
+    this engine's numbers held in a ``MetricsFeed`` until the framework logs, and the hand-over
+    guarded (metrics never fail a checkpoint: a logger that raises turns them off, with a warning).
+    The adapters decide when their framework logs and how the entry gets there."""
+
+    def __init__(self, enabled: Optional[bool]) -> None:
+        self.enabled = env_flag("BCP_LOG_METRICS", True) if enabled is None else bool(enabled)
+        self.feed = MetricsFeed()
+
+    def saved(self, handle: Any, step: Optional[int] = None) -> None:
+        """A save returned: its numbers known now (an async save's stall), the rest on completion."""
+        if self.enabled:
+            self.feed.hold(self.feed.saved(handle, step))
+
+    def loaded(self, stats: Any) -> None:
+        if self.enabled:
+            self.feed.hold(MetricsFeed.loaded(stats))
+
+    def take(self) -> Dict[str, float]:
+        """What the framework's log step now carries ({} when off or nothing waits)."""
+        return self.feed.take() if self.enabled else {}
+
+    def merged(self, values: Dict[str, Any]) -> Dict[str, Any]:
+        """``values`` (the framework's own entry, not modified) with what waits added."""
+        ours = self.take()
+        return {**values, **ours} if ours else values
+
+    def deliver(self, send: Callable[[Dict[str, float]], Any], metrics: Dict[str, float], where: str) -> None:
+        """Hand ``metrics`` over by ``send`` outside a log call of the framework (the end of a run)."""
+        if not metrics or not self.enabled:
+            return
+        try:
+            send(metrics)
+        except Exception as exc:  # noqa: BLE001 - metrics never fail a checkpoint
+            log.warning("bytecheckpoint: logging checkpoint metrics to %s failed (%s); turned off", where, exc)
+            self.enabled = False
