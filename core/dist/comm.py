@@ -133,6 +133,14 @@ class Comm:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
         return int(t.item())
 
+    def all_of(self, flags: Sequence[bool]) -> List[bool]:
+        """Per position, whether every rank's flag is set (one all-reduce of a byte per flag)."""
+        if not self.enabled or self.world_size == 1:
+            return list(flags)
+        t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.uint8, device=self._device())
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return [bool(v) for v in t.tolist()]
+
     def barrier(self) -> None:
         """Bounded only with a watch (the local tier's end of job)."""
         if self.enabled and self.world_size > 1:

@@ -66,6 +66,9 @@ class Metadata:
     info: Mapping[str, Any] = field(default_factory=dict)  # library version, time, layout notes
     packs: Tuple[str, ...] = ()         # format 5: the pack files holding every chunk (relative paths)
     safetensors: Mapping[str, Tuple[int, ...]] = field(default_factory=dict)  # format 6: key path -> packs
+    # plain values rank 0 did not save (other pipeline stages' / experts' keys): which rank's object
+    # file holds each; written only when some rank saved keys rank 0 did not
+    object_owners: Mapping[str, int] = field(default_factory=dict)
 
     def to_json(self) -> bytes:
         """Canonical JSON (sorted keys, no spaces) with a crc32 of everything else as `checksum`.
@@ -124,6 +127,8 @@ class Metadata:
             parts["packs"] = list(self.packs)
         if version >= SAFETENSORS_VERSION:
             parts["safetensors"] = {k: list(v) for k, v in self.safetensors.items()}
+        if self.object_owners:
+            parts["object_owners"] = dict(self.object_owners)
         table = None
         if to_file:
             table = b"".join(np.asarray(packed[k], dtype="<u4").tobytes() + (
@@ -398,8 +403,13 @@ def _parse(body: Any, where: str, fetch: Optional[Callable[[str], Optional[bytes
         expect(isinstance(info["data_dir"], str) and re.fullmatch(r"(data|part)-[A-Za-z0-9_-]{1,64}", info["data_dir"])
                 is not None, where, "bad data_dir")
     _check_structure(body.get("structure"), tensors, where)
+    owners = body.get("object_owners", {})
+    expect(isinstance(owners, dict) and len(owners) <= (1 << 24), where, "object_owners is not an object")
+    for k, r in owners.items():
+        expect(isinstance(k, str) and len(k) < 65536, where, "object_owners has a malformed key")
+        check_int(r, f"{where}.object_owners", 0, world - 1)
     return Metadata(version, save_id, world, tensors, arrays, tuple(objects), body.get("structure"), info, packs,
-                    views)
+                    views, dict(owners))
 
 
 def _check_structure(node: Any, tensors: Mapping[str, TensorMeta], where: str, depth: int = 0) -> None:

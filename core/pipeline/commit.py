@@ -78,7 +78,8 @@ def build_metadata(url: str, full: SavePlan, save_id: str, data_dir: str, world_
         arrays={f"{data_dir}/{p}": rooted(a, data_dir, checksums.get(p, {}), locations.get(p, {}), packs)
                 for p, a in full.arrays.items()},
         objects=tuple(res[0] for res, _ in results),
-        structure=structure,
+        structure=structure.tree,
+        object_owners=dict(structure.object_owners),
         info={**(info or {}), "data_dir": data_dir, "created_unix": time.time(), "torch": torch.__version__,
               "bytes_per_rank": list(full.bytes_per_rank)},
         packs=packs,

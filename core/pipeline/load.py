@@ -12,7 +12,7 @@ import math
 import os
 import time
 import zlib
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -229,10 +229,28 @@ def _physical_memory() -> int:
         return 1 << 62
 
 
-def read_objects(store: Storage, md: Metadata, rank: int, allow_pickle: bool) -> Dict[str, Any]:
-    """Plain values saved by `rank` (or rank 0's when the checkpoint had fewer ranks)."""
+def read_objects(store: Storage, md: Metadata, rank: int, allow_pickle: bool, needed: Iterable[str] = ()
+                 ) -> Dict[str, Any]:
+    """Plain values saved by `rank` (or rank 0's when the checkpoint had fewer ranks), and those of
+    `needed` that this file lacks from the rank that saved them (another pipeline stage's or
+    expert's keys: metadata's object_owners, else rank 0)."""
     src = rank if rank < md.world_size else 0
-    meta = next((o for o in md.objects if o.rank == src), None)
+    objects = _read_object_file(store, md, src, allow_pickle)
+    elsewhere: Dict[int, List[str]] = {}
+    for key in needed:
+        if key not in objects:
+            owner = md.object_owners.get(key, 0)
+            if owner != src:
+                elsewhere.setdefault(owner, []).append(key)
+    for owner, keys in sorted(elsewhere.items()):
+        theirs = _read_object_file(store, md, owner, allow_pickle, keys)
+        objects.update({k: theirs[k] for k in keys if k in theirs})
+    return objects
+
+
+def _read_object_file(store: Storage, md: Metadata, rank: int, allow_pickle: bool,
+                      only: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+    meta = next((o for o in md.objects if o.rank == rank), None)
     if meta is None:
         return {}
     raw = store.get(meta.path)
@@ -241,12 +259,17 @@ def read_objects(store: Storage, md: Metadata, rank: int, allow_pickle: bool) ->
     if zlib.crc32(raw) != meta.crc32 or len(raw) != meta.nbytes:
         raise CorruptCheckpointError(f"{store.url!r}: {meta.path} fails its crc32 checksum; the checkpoint is "
                                      f"damaged")
-    return {k: codec.decode(v, allow_pickle, k) for k, v in codec.loads_raw(raw).items()}
+    values = codec.loads_raw(raw)
+    keys = values.keys() if only is None else [k for k in only if k in values]
+    return {k: codec.decode(values[k], allow_pickle, k) for k in keys}
 
 
 # ------------------------------------------------------------------ load
 
-def _check_keys(flat: Flat, md: Metadata, strict: bool) -> Tuple[List[str], List[str]]:
+def _check_keys(flat: Flat, md: Metadata, strict: bool, ranks: int = 1) -> Tuple[List[str], List[str]]:
+    """(missing, unexpected) keys of this rank's state against the checkpoint; a strict load raises
+    for missing ones here. Unexpected ones are this rank's view only: with ranks holding different
+    parts (pipeline stages, experts) a key another rank loads is not unexpected (global_unexpected)."""
     saved = structure_leaves(md.structure)
     for key in md.tensors:
         saved.setdefault(key, "tensor")
@@ -262,18 +285,38 @@ def _check_keys(flat: Flat, md: Metadata, strict: bool) -> Tuple[List[str], List
                         and not (prefixes and k.startswith(prefixes)))
     missing_sub = sorted(p for p in flat.subtrees if find_subtree(md.structure, p) is None)
     missing += missing_sub
-    if strict and (missing or unexpected):
-        parts = []
-        if missing:
-            parts.append(f"missing from the checkpoint: {_list(missing)}")
-        if unexpected:
-            parts.append(f"in the checkpoint but not in the state: {_list(unexpected)}")
-        raise StateMismatchError("keys do not match (strict=True): " + "; ".join(parts) +
-                                 ". Pass strict=False to load the keys both have")
+    if strict and missing:
+        _mismatch(missing, unexpected, "the state" if ranks == 1 else "this rank's state")
     for k in flat.tensors:
         if k in saved and saved[k] != "tensor":
             raise StateMismatchError(f"key {k!r}: the state has a tensor but the checkpoint stored a plain value")
     return missing, unexpected
+
+
+def _mismatch(missing: List[str], unexpected: List[str], state: str = "the state") -> None:
+    parts = []
+    if missing:
+        parts.append(f"missing from the checkpoint: {_list(missing)}")
+    if unexpected:
+        parts.append(f"in the checkpoint but not in {state}: {_list(unexpected)}")
+    raise StateMismatchError("keys do not match (strict=True): " + "; ".join(parts) +
+                             ". Pass strict=False to load the keys both have")
+
+
+def global_unexpected(comm: Comm, md: Metadata, unexpected: List[str]) -> List[str]:
+    """Collective: the keys no rank loads among this rank's `unexpected` (the same list on every
+    rank). One all-reduce when no rank has any; else one more over a flag per saved key."""
+    if comm.min_int(0 if unexpected else 1) == 1:
+        return []
+    keys = sorted(set(structure_leaves(md.structure)) | set(md.tensors))
+    mine = set(unexpected)
+    left = comm.all_of([k in mine for k in keys])
+    return [k for k, flag in zip(keys, left) if flag]
+
+
+def _raise_unexpected(unexpected: List[str]) -> None:
+    if unexpected:
+        _mismatch([], unexpected, "the state of any rank")
 
 
 def _list(keys: List[str], n: int = 20) -> str:
@@ -294,7 +337,7 @@ def load(comm: Comm, store: Storage, workers: Workers, md: Metadata, state: Dict
         return plan(prepared[0])
 
     def plan(flat: Flat):
-        missing, _ = _check_keys(flat, md, strict)
+        missing, unexpected = _check_keys(flat, md, strict, comm.world_size)
         saved = structure_leaves(md.structure)
         # a plain value in the target that the checkpoint holds as a container is read whole
         for key in [k for k in flat.setters if saved.get(k) != "object" and find_subtree(md.structure, k) is not None]:
@@ -314,11 +357,13 @@ def load(comm: Comm, store: Storage, workers: Workers, md: Metadata, state: Dict
                 if kind == "tensor" and key not in flat.tensors and key not in whole:
                     whole[key], spec = full_target(md, key)
                     targets.append(spec)
-        return flat, missing, plan_load(md.tensors, targets), whole
+        return flat, missing, unexpected, plan_load(md.tensors, targets), whole
 
     try:
-        flat, missing, reads, whole = timed_run(comm, stats.rec, "plan.load", prepare,
-                                                f"planning the load of {store.url!r}")
+        flat, missing, unexpected, reads, whole = timed_run(comm, stats.rec, "plan.load", prepare,
+                                                            f"planning the load of {store.url!r}")
+        if strict:
+            _raise_unexpected(global_unexpected(comm, md, unexpected))
         stats.optimizer_state.update(flat.notes)
         _read_into(comm, store, workers, md, flat, reads, whole, shared, stats, allow_pickle, slabs)
     except BaseException:
@@ -364,8 +409,11 @@ def _read_into(comm: Comm, store: Storage, workers: Workers, md: Metadata, flat:
 
     def read_all():
         if flat.setters or flat.subtrees:
-            objects = read_objects(store, md, comm.rank, allow_pickle)
             saved = structure_leaves(md.structure)
+            needed = list(flat.setters) + [k for prefix in flat.subtrees
+                                           for k, kind in structure_leaves(find_subtree(md.structure, prefix)).items()
+                                           if kind == "object"]
+            objects = read_objects(store, md, comm.rank, allow_pickle, needed)
             for key, assign in flat.setters.items():
                 if saved.get(key) == "object" and key not in objects:
                     raise CorruptCheckpointError(f"{store.url!r}: plain value {key!r} is listed in the metadata but "
@@ -425,7 +473,8 @@ def load_full(comm: Comm, store: Storage, workers: Workers, md: Metadata, *, key
         wanted = structure_leaves(root) if nodes is None else {
             k: v for n in nodes.values() for k, v in structure_leaves(n).items()}
         tensors = read_full_tensors(store, workers, md, [k for k, kind in wanted.items() if kind == "tensor"], stats)
-        objects = read_objects(store, md, comm.rank, allow_pickle) if any(
+        objects = read_objects(store, md, comm.rank, allow_pickle,
+                               [k for k, kind in wanted.items() if kind == "object"]) if any(
             kind == "object" for kind in wanted.values()) else {}
         if nodes is None:
             return build_from_structure(root, tensors, objects)

@@ -67,8 +67,9 @@ def save(res: SaveResources, target: Target, comm: Comm, state: Dict[str, Any], 
         with rec.span("arrive"):
             target.open(comm)
         with rec.span("plan"):
-            local, full, save_id, old_data = save_plan.plan(comm, prepared.manifest, res.plans, target.begin,
-                                                             prepared.error, safetensors=safetensors)
+            local, full, save_id, old_data, structure = save_plan.plan(
+                comm, prepared.manifest, res.plans, target.begin, prepared.error, safetensors=safetensors,
+                structure=prepared.flat.structure if prepared.flat is not None else None)
         rec.op_id = save_id
         data = write.sources(prepared.flat, local.writes)
     except BaseException as exc:
@@ -78,8 +79,7 @@ def save(res: SaveResources, target: Target, comm: Comm, state: Dict[str, Any], 
     handle = SaveHandle(path, pending=res.pending)
     handle.stats.attach(rec)
     handle.stats.update(walk_s=t_plan - t_walk, plan_s=time.perf_counter() - t_plan)
-    written = target.writer(comm, local, full, save_id, old_data, prepared.flat.structure, prepared.objects_blob,
-                            info)
+    written = target.writer(comm, local, full, save_id, old_data, structure, prepared.objects_blob, info)
     if not background:
         # 3. stage (device tensors only), 4. write, 5. commit, all on the caller's thread
         with stage.on_host(res.staging(), local, data) as host, Workers(res.threads) as workers:
@@ -128,7 +128,8 @@ def warm_up(res: SaveResources, comm: Comm, state: Dict[str, Any], timeout_s: fl
     prepared = save_plan.prepare(state, res.registry, res.fsdp1_route)
     target = write.WarmUpTarget(timeout_s)
     target.open(comm)
-    local, _, _, _ = save_plan.plan(comm, prepared.manifest, res.plans, target.begin, prepared.error)
+    local, _, _, _, _ = save_plan.plan(comm, prepared.manifest, res.plans, target.begin, prepared.error,
+                                       structure=prepared.flat.structure if prepared.flat is not None else None)
     data = write.sources(prepared.flat, local.writes)
     items = stage.staging_items(local, data)
     if not background:

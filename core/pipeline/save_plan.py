@@ -28,7 +28,9 @@ from ..planning.planner import (
     plan_save,
     split_for_ranks,
 )
+from ..state import structure_union
 from ..state.flatten import Flat, TypeRegistry, flatten_for_save
+from ..state.structure_union import SavedStructure
 from ..storage import Storage
 from ..storage.errors import StorageError
 
@@ -65,6 +67,7 @@ class _CachedPlan:
     fingerprint: str
     local: LocalPlan
     full: Optional[SavePlan]               # coordinator only
+    structure: Optional[SavedStructure]    # coordinator only: the union of every rank's
 
 
 class PlanCache:
@@ -112,15 +115,17 @@ PREPARE_FAILED, NEW_PLAN, CACHED_PLAN = 0, 1, 2
 
 def plan(comm: Comm, manifest: Optional[RankManifest], cache: PlanCache,
          begin: Callable[[], Tuple[str, Optional[str]]], prepare_error: Optional[BaseException] = None,
-         what: str = "preparing the state for save", safetensors: Tuple[str, ...] = ()
-         ) -> Tuple[LocalPlan, Optional[SavePlan], str, Optional[str]]:
-    """Collective: this rank's part of the save plan (the whole plan on the coordinator), and what
+         what: str = "preparing the state for save", safetensors: Tuple[str, ...] = (), structure: Any = None
+         ) -> Tuple[LocalPlan, Optional[SavePlan], str, Optional[str], Optional[SavedStructure]]:
+    """Collective: this rank's part of the save plan (the whole plan on the coordinator), what
     `begin()` returns on the coordinator: the save id and the data directory of the checkpoint it
-    replaces (if any). `prepare_error`: this rank could not prepare its state (`what`); every rank
-    then raises, naming the ranks that failed. `safetensors`: key paths written as safetensors
-    packs (planning/planner.plan_save)."""
+    replaces (if any), and (coordinator) the union of every rank's `structure` (the state's
+    nesting: ranks holding other pipeline stages or experts save other keys). `prepare_error`:
+    this rank could not prepare its state (`what`); every rank then raises, naming the ranks that
+    failed. `safetensors`: key paths written as safetensors packs (planning/planner.plan_save)."""
+    tree_digest = structure_union.digest(structure) if prepare_error is None else ""
     fingerprint = (None if prepare_error is not None
-                   else hashlib.sha1(pickle.dumps((comm.world_size, manifest, safetensors))).hexdigest())
+                   else hashlib.sha1(pickle.dumps((comm.world_size, manifest, safetensors, tree_digest))).hexdigest())
     cache_key = comm.key
     cached = cache.get(cache_key)
     hit = fingerprint is not None and cached is not None and cached.fingerprint == fingerprint
@@ -132,28 +137,49 @@ def plan(comm: Comm, manifest: Optional[RankManifest], cache: PlanCache,
         raise CheckpointError(f"internal: {what} failed on some rank but no rank reported an error")
     if status == CACHED_PLAN:
         save_id, old = comm.run_on_coordinator(begin, "checking the save path")
-        return cached.local, cached.full, save_id, old
+        return cached.local, cached.full, save_id, old, cached.structure
 
     # Ranks whose manifest table matches the coordinator's send only their coordinates and
     # irregular boxes; the grid part of the plan is broadcast, general-path parts scattered.
+    # Structures likewise: a digest each, the trees of the distinct ones only.
     packed = pack_manifest(manifest)
     reference = comm.broadcast(packed.digest)
-    gathered = comm.gather(packed if comm.is_coordinator or packed.digest != reference else packed.without_table())
+    gathered = comm.gather((packed if comm.is_coordinator or packed.digest != reference else packed.without_table(),
+                            tree_digest))
     head: Any = None
     extras: Optional[List[LocalPlan]] = None
     full: Optional[SavePlan] = None
     if comm.is_coordinator:
         try:
-            full = plan_save(gathered, safetensors=safetensors)
+            full = plan_save([g[0] for g in gathered], safetensors=safetensors)
             save_id, old = begin()
             shared, extras = split_for_ranks(full)
-            head = (True, (shared, extras is not None, save_id, old))
+            head = (True, (shared, extras is not None, save_id, old, structure_union.senders([g[1] for g in gathered])))
         except Exception as exc:  # noqa: BLE001 - shipped to every rank
             head = (False, exc)
     ok, value = comm.broadcast(head)
     if not ok:
         raise value
-    shared, has_extras, save_id, old = value
+    shared, has_extras, save_id, old, senders = value
     local = local_plan(shared, comm.scatter(extras) if has_extras else None, comm.rank)
-    cache.put(cache_key, _CachedPlan(fingerprint, local, full))
-    return local, full, save_id, old
+    merged = _union(comm, structure, senders)
+    cache.put(cache_key, _CachedPlan(fingerprint, local, full, merged))
+    return local, full, save_id, old, merged
+
+
+def _union(comm: Comm, structure: Any, senders: List[int]) -> Optional[SavedStructure]:
+    """Collective when some rank's structure differs from the coordinator's: the coordinator
+    merges the distinct ones (a conflict is raised on every rank); others get None."""
+    if not senders:
+        return SavedStructure(structure) if comm.is_coordinator else None
+    trees = comm.gather(structure if comm.rank in senders else None)
+    result: Any = None
+    if comm.is_coordinator:
+        try:
+            result = (True, structure_union.merge({0: structure, **{r: trees[r] for r in senders}}))
+        except Exception as exc:  # noqa: BLE001 - shipped to every rank
+            result = (False, exc)
+    ok, merged = comm.broadcast(result if comm.is_coordinator else None)
+    if not ok:
+        raise merged
+    return merged if comm.is_coordinator else None

@@ -17,7 +17,7 @@ from torch import nn
 
 from ..common.errors import StateMismatchError
 from ..format import codec
-from . import fsdp1, optimizers
+from . import fsdp1, namespace, optimizer_form, optimizers
 from .flatten import Handler, ModuleView, find_subtree, join
 
 COMPILED_PREFIX = "_orig_mod"   # torch._dynamo's OptimizedModule holds the module under this attribute
@@ -155,29 +155,46 @@ class OptimizerHandler(Handler):
 
     def __init__(self) -> None:
         self.names = optimizers.NameCache()
+        self.namespaces = namespace.Namespaces()
 
     def save(self, value, key, walk):
-        model = _owner_module(value, walk.param_owner)
+        model = self.owner(value, walk)
         if model is None:
             return walk.registry.stateful.save(value, key, walk)
         if fsdp1.uses_flat_route(model, walk.fsdp1_route):
             return fsdp1.save_optimizer(value, model, key, walk)
         if fsdp1.holds_fsdp1(model):
-            return walk.save(optimizers.named_optimizer_state(model, value), key)
-        return walk.save(self.names.state_dict(model, value), key)
+            return optimizer_form.save(optimizers.named_optimizer_state(model, value), key, walk)
+        return optimizer_form.save(self.names.state_dict(model, value), key, walk)
+
+    def owner(self, optim: torch.optim.Optimizer, walk) -> Optional[nn.Module]:
+        """The module whose names name `optim`'s parameters: the one module in the state that owns
+        them all, or several model parts' one namespace (state/parts.py); None: index keys."""
+        found = {id(walk.param_owner.get(id(p))): walk.param_owner.get(id(p))
+                 for g in optim.param_groups for p in g["params"]}
+        if None in found.values() or not found:
+            return None
+        if len(found) == 1:
+            return next(iter(found.values()))
+        return self.namespaces.of(list(found.values()))
 
     def load(self, value, key, walk, assign):
-        model = _owner_module(value, walk.param_owner)
+        model = self.owner(value, walk)
         if model is None:
             return walk.registry.stateful.load(value, key, walk, assign)
         if fsdp1.uses_flat_route(model, walk.fsdp1_route):
             return fsdp1.load_optimizer(value, model, key, walk)
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+        by_name = optimizer_form.saved_by_name(walk.saved, key)
         # A state dict of plain values only is loaded whole (assign); otherwise in place.
         loaded = {}
         if optimizers.saved_without_state(walk.saved, key):
             # Saved before its first step: the loaded optimizer has no state either, exactly as saved.
             loaded["osd"] = optimizers.named_optimizer_state(model, value, with_state=False)
+            if by_name:
+                form = optimizer_form.ByNameLoad(loaded["osd"], key, walk, with_state=False)
+                walk.flat.finalizers.append(lambda: optimizers.load_groups_only(value, form.result()))
+                return
             walk.load(loaded["osd"], key, lambda v: loaded.__setitem__("osd", v))
             walk.flat.finalizers.append(lambda: optimizers.load_groups_only(value, loaded["osd"]))
             return
@@ -193,12 +210,9 @@ class OptimizerHandler(Handler):
             # still without state (an optimizer not known here): torch's own zero-lr step makes it
             loaded["osd"] = self.names.state_dict(model, value) if value.state else get_optimizer_state_dict(model,
                                                                                                             value)
+        if by_name:
+            form = optimizer_form.ByNameLoad(loaded["osd"], key, walk)
+            walk.flat.finalizers.append(lambda: set_optimizer_state_dict(model, value, form.result()))
+            return
         walk.load(loaded["osd"], key, lambda v: loaded.__setitem__("osd", v))
         walk.flat.finalizers.append(lambda: set_optimizer_state_dict(model, value, loaded["osd"]))
-
-
-def _owner_module(optim: torch.optim.Optimizer, owners: Dict[int, nn.Module]) -> Optional[nn.Module]:
-    found = {id(owners.get(id(p))) : owners.get(id(p)) for g in optim.param_groups for p in g["params"]}
-    if len(found) == 1 and None not in found.values():
-        return next(iter(found.values()))
-    return None

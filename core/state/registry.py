@@ -11,21 +11,20 @@ from . import distributed
 from .basic import (
     DictHandler,
     FlatShardHandler,
-    ListHandler,
     ObjectHandler,
     ShardHandler,
     StatefulHandler,
     TensorHandler,
-    TupleHandler,
 )
 from .deepspeed_engine import ENGINE_CLASS, DeepSpeedEngineHandler
 from .flatten import ModuleView, TypeRegistry
 from .modules import ModuleHandler, ModuleViewHandler, OptimizerHandler
+from .parts import PartsListHandler, PartsTupleHandler
 
 
 def builtin_registry() -> TypeRegistry:
     registry = TypeRegistry(stateful=StatefulHandler(), plain=ObjectHandler())
-    for typ, handler in ((dict, DictHandler()), (list, ListHandler()), (tuple, TupleHandler()),
+    for typ, handler in ((dict, DictHandler()), (list, PartsListHandler()), (tuple, PartsTupleHandler()),
                          (torch.Tensor, TensorHandler()), (Shard, ShardHandler()), (FlatShard, FlatShardHandler()),
                          (nn.Module, ModuleHandler()), (ModuleView, ModuleViewHandler()),
                          (torch.optim.Optimizer, OptimizerHandler())):
