@@ -14,14 +14,25 @@ Off: ``ByteCheckpointIO(log_metrics=False)`` or ``BCP_LOG_METRICS=0``.
 """
 from __future__ import annotations
 
-from typing import Any, List, Optional
+import logging
+import weakref
+from typing import Any, Dict, List, Optional
 
 from bytecheckpoint.monitor.metrics import MetricsHandover
 
 from . import _compat
 
+log = logging.getLogger(__name__)
+
 
 class MetricsLog(MetricsHandover):
+    def __init__(self, enabled: Optional[bool]) -> None:
+        super().__init__(enabled)
+        self._connected: Optional[weakref.ref] = None   # the Trainer whose log calls carry them
+
+    def __getstate__(self) -> Dict[str, Any]:  # ddp_spawn pickles the plugin: the new process connects anew
+        return {**self.__dict__, "_connected": None}
+
     def saved(self, io: Any, handle: Any, step: Optional[int]) -> None:  # type: ignore[override]
         if self._connect(io):
             super().saved(handle, step)
@@ -37,33 +48,47 @@ class MetricsLog(MetricsHandover):
         trainer = _trainer(io)
         if trainer is None or not _loggers(trainer):
             return False
-        _compat.merge_into_logs(trainer, self, self.merged)
+        try:
+            _compat.merge_into_logs(trainer, self, self.merged)
+        except _compat.LightningCompatError as exc:  # metrics never fail a checkpoint
+            log.warning("bytecheckpoint: checkpoint metrics turned off: %s", exc)
+            self.enabled = False
+            return False
+        self._connected = weakref.ref(trainer)
         return True
 
     def flush(self, io: Any) -> None:
         """The run ends (the plugin's teardown, the checkpointer's saves waited for): what no log
         step took goes to the loggers now, at Lightning's step; the connector is restored."""
-        trainer = _trainer(io)
+        trainer = self._connected() if self._connected is not None else None
+        self._connected = None
         if trainer is None:
             return
         _compat.unmerge(trainer, self)
         leftover = self.take()
         if leftover and not trainer.interrupted:  # an exception finalized the loggers already
-            step = _compat.log_step(trainer)
             loggers = _loggers(trainer)
-            self.deliver(lambda m: [lg.log_metrics(m, step=step) for lg in loggers], leftover,
-                         ", ".join(type(lg).__name__ for lg in loggers))
+
+            def send(metrics: Dict[str, float]) -> None:
+                step = _compat.log_step(trainer)
+                for logger in loggers:
+                    logger.log_metrics(metrics, step=step)
+
+            self.deliver(send, leftover, ", ".join(type(lg).__name__ for lg in loggers))
 
 
 def _trainer(io: Any) -> Any:
     """The Trainer the plugin's strategy serves (None under Fabric, or with no strategy)."""
+    from lightning.pytorch import Trainer
+
     module = getattr(io.strategy, "lightning_module", None) if io.strategy is not None else None
     if module is None:
         return None
     try:
-        return module.trainer
+        trainer = module.trainer
     except RuntimeError:  # not attached to a Trainer
         return None
+    return trainer if isinstance(trainer, Trainer) else None  # Fabric's shim: no Trainer, no log steps
 
 
 def _loggers(trainer: Any) -> List[Any]:
