@@ -17,7 +17,6 @@ import random
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from typing import Any, Dict, List
 
@@ -60,7 +59,7 @@ def run(nproc: int, spec: Dict[str, Any], timeout: float = 300) -> List[Dict[str
                    PYTHONPATH=path, OMP_NUM_THREADS="1", TT_SPEC=json.dumps(spec),
                    HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_DATASETS_CACHE=cache,
                    HF_HOME=os.path.join(cache, "home"), WANDB_MODE="disabled", TORCHINDUCTOR_CACHE_DIR=cache)
-        log = tempfile.TemporaryFile("w+")
+        log = open(os.path.join(spec["dump"], f"rank{rank}.log"), "w+")
         logs.append(log)
         procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, "worker.py")], env=env,
                                       stdout=log, stderr=subprocess.STDOUT, cwd=spec["dump"]))

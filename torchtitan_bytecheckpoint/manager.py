@@ -1,0 +1,256 @@
+"""ByteCheckpointManager: torchtitan's checkpoint contract (BaseCheckpointManager) on bytecheckpoint.
+
+In the user's torchtitan config, one line:
+
+    checkpoint=ByteCheckpointManager.Config(enable=True, interval=500, async_mode="async")
+
+Every field of torchtitan's shared checkpoint Config keeps its meaning; `async_mode` takes the DCP
+manager's values; `async_staging` and `storage_options` are bytecheckpoint's. Checkpoints are
+`<dump_folder>/<folder>/step-<N>` directories (or s3://... prefixes), each a bytecheckpoint
+checkpoint saved by every rank (its own shards), resumable on another layout and world size.
+"""
+from __future__ import annotations
+
+import logging
+import re
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, Literal, Optional
+
+import torch
+import torch.distributed as dist
+
+import bytecheckpoint as bcp
+
+from . import _compat, _data
+from ._compat import BaseCheckpointManager, filesystem
+
+log = logging.getLogger("torchtitan_bytecheckpoint")
+MODEL, OPTIMIZER, LR_SCHEDULER, DATALOADER, TRAIN_STATE = "model", "optimizer", "lr_scheduler", "dataloader", "train_state"
+_ASYNC_MODES = ("disabled", "async", "async_with_pinned_mem")
+_STEP = re.compile(r"^step-(\d+)$")
+
+
+class ByteCheckpointManager(BaseCheckpointManager):
+    """torchtitan's checkpoint manager on bytecheckpoint (see the module docstring and docs/torchtitan.md).
+
+    Saves {"model": the model parts, "optimizer": one torch optimizer per part, "lr_scheduler",
+    "dataloader": each DP rank's stream position, "train_state", and any other state torchtitan
+    hands over}. Model and optimizer state are keyed by parameter name, so a resume may use
+    another FSDP/TP/PP layout and world size; the data stream follows a whole shrink of the
+    data-parallel degree exactly (`data_order_report` says what the last resume did).
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(BaseCheckpointManager.Config):
+        async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "disabled"
+        """"disabled": save() returns once written and committed. "async": once the state is copied
+        out; writes and commit run in the background. "async_with_pinned_mem" (the DCP manager's
+        staging overlapped with training): "async" plus async staging, the copy itself made behind
+        the next forward/backward (the optimizer step waits for it, never the loop otherwise)."""
+
+        async_staging: bool | None = None
+        """Override async staging (None: on for "async_with_pinned_mem", off otherwise)."""
+
+        storage_options: dict[str, str] | None = None
+        """Endpoint, region and credentials for an object-store folder (s3://, gs://)."""
+
+        def __post_init__(self) -> None:
+            BaseCheckpointManager.Config.__post_init__(self)
+            mode = str(self.async_mode).lower()
+            if mode not in _ASYNC_MODES:
+                raise ValueError(f"Invalid async_mode: {self.async_mode!r}; one of {_ASYNC_MODES}")
+            self.async_mode = mode
+            if self.last_save_in_hf:
+                raise ValueError("ByteCheckpointManager: last_save_in_hf is not supported yet; save the last step "
+                                 "model-only and run `bytecheckpoint export <folder>/step-<N> OUT --to safetensors`")
+            if self.initial_load_in_hf:
+                raise ValueError("ByteCheckpointManager: initial_load_in_hf is not supported yet; run `bytecheckpoint "
+                                 "import HF_DIR OUT` once and set initial_load_path=OUT (initial_load_model_only)")
+
+    def __init__(self, config: Config, *, dataloader: Any, model_parts: list, optimizers: Any, lr_schedulers: Any,
+                 states: Dict[str, Any], sd_adapter: Any = None, base_folder: str = "",
+                 checkpointer: Optional[bcp.Checkpointer] = None) -> None:
+        self.enable = config.enable
+        self.save_future = None
+        if not self.enable:
+            return
+        self.config = config
+        self.folder = filesystem.join(base_folder, config.folder) if base_folder else config.folder
+        self.interval = config.interval
+        self.model_parts = list(model_parts)
+        self.optimizers = optimizers
+        self.states = dict(states)
+        self.states.update({DATALOADER: dataloader, LR_SCHEDULER: lr_schedulers})
+        self.export_dtype = _compat.TORCH_DTYPE_MAP[config.export_dtype]
+        self.sd_adapter = sd_adapter
+        self.data_order_report = ""
+        self._async = config.async_mode != "disabled"
+        staging = config.async_staging if config.async_staging is not None else config.async_mode == "async_with_pinned_mem"
+        self._owns = checkpointer is None
+        self._ckpt = checkpointer if checkpointer is not None else bcp.Checkpointer(
+            storage_options=config.storage_options, async_save=self._async, async_staging=bool(staging))
+        self._staging = {} if self._owns else {"async_staging": bool(staging)}
+        log.info("bytecheckpoint: checkpoints are loaded from and saved to %s (async_mode=%s, async staging %s)",
+                 self.folder, config.async_mode, "on" if staging else "off")
+
+    def __del__(self) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ what a checkpoint holds
+    def _optimizer_list(self) -> list:
+        return list(getattr(self.optimizers, "optimizers", [self.optimizers]))
+
+    def _full_state(self, exclude=()) -> Dict[str, Any]:
+        state: Dict[str, Any] = {MODEL: self.model_parts}
+        if OPTIMIZER not in exclude:
+            state[OPTIMIZER] = self._optimizer_list()
+        for key, value in self.states.items():
+            if key in exclude or value is None:
+                continue
+            if key == DATALOADER:
+                trainer = self.states.get(TRAIN_STATE)
+                layout = _compat.layout(trainer, value) if _compat.is_trainer(trainer) else {}
+                state[key] = _data.save_state(value, layout)
+            else:
+                state[key] = value
+        return state
+
+    def _model_only_state(self) -> Dict[str, Any]:
+        if self.export_dtype == torch.float32 and all(
+                p.dtype == torch.float32 for m in self.model_parts for p in m.parameters()):
+            return {MODEL: self.model_parts}
+        cast = {}
+        for part in self.model_parts:
+            for name, value in part.state_dict().items():
+                cast[name] = value.to(self.export_dtype) if value.is_floating_point() else value
+        return {MODEL: cast}
+
+    # ------------------------------------------------------------------ save
+    def _should_save(self, curr_step: int, last_step: bool) -> bool:
+        if self.config.load_only:
+            return False
+        if curr_step == 1 and self.config.enable_first_step_checkpoint:
+            return True
+        return last_step or curr_step % self.interval == 0
+
+    def _path(self, step: int) -> str:
+        return filesystem.join(self.folder, f"step-{step}")
+
+    @torch.no_grad()
+    def _save(self, curr_step: int, last_step: bool = False) -> bool:
+        if not self._should_save(curr_step, last_step):
+            return False
+        begin = time.monotonic()
+        path = self._path(curr_step)
+        if last_step and self.config.last_save_model_only:
+            log.info("bytecheckpoint: saving a model-only checkpoint in %s at the last step, step %d",
+                     self.export_dtype, curr_step)
+            self._ckpt.save(path, self._model_only_state(), async_save=False, step=curr_step)
+        elif last_step:
+            self._ckpt.save(path, self._full_state(), async_save=False, step=curr_step)
+        else:
+            handle = self._ckpt.save(path, self._full_state(), step=curr_step, **self._staging)
+            if self._async:
+                self.save_future = handle
+        self._purge_stale_checkpoints()
+        log.info("bytecheckpoint: %s step %d in %.2f seconds", "staged" if self._async and not last_step else "saved",
+                 curr_step, time.monotonic() - begin)
+        return True
+
+    def _purge_stale_checkpoints(self) -> None:
+        """keep_latest_k: the newest k committed checkpoints stay; one still being written is not
+        committed, so it is never counted or deleted."""
+        k = self.config.keep_latest_k
+        if k > 0 and (not dist.is_initialized() or dist.get_rank() == 0):
+            self._ckpt.keep_last(self.folder, k, process_group=bcp.LOCAL)
+
+    def _maybe_wait_for_staging(self) -> None:
+        """Nothing to wait for: with async staging bytecheckpoint's fence holds the optimizer step
+        itself until its copy landed (no double wait); without it save() returned after the copy."""
+
+    def _wait_for_saving(self) -> None:
+        try:
+            self._ckpt.wait()
+        finally:
+            self.save_future = None
+
+    def _close(self) -> None:
+        if getattr(self, "_ckpt", None) is None:
+            return
+        if self._owns:
+            self._ckpt.close()
+        else:
+            self._ckpt.wait()
+
+    # ------------------------------------------------------------------ load
+    def _step_paths(self) -> Dict[int, str]:
+        if not filesystem.isdir(self.folder):
+            return {}
+        steps = {}
+        for name in filesystem.listdir(self.folder):
+            match = _STEP.match(name.rstrip("/").rsplit("/", 1)[-1])
+            if match:
+                steps[int(match.group(1))] = self._path(int(match.group(1)))
+        return steps
+
+    def _newest(self) -> Optional[int]:
+        """The newest committed step; newer torn ones are logged and skipped."""
+        steps = self._step_paths()
+        for step in sorted(steps, reverse=True):
+            if self._ckpt.is_checkpoint(steps[step]):
+                return step
+            log.warning("bytecheckpoint: %s is not a committed checkpoint (a save that did not finish); skipped",
+                        steps[step])
+        return None
+
+    @torch.no_grad()
+    def _load(self, step: int = -1) -> bool:
+        if step != -1:
+            path = self._path(step)
+            if not self._ckpt.is_checkpoint(path):
+                raise FileNotFoundError(f"--checkpoint.load_step={step}: no committed checkpoint at {path}")
+        else:
+            step = self._newest() if self._step_paths() else None
+            step = -1 if step is None else step
+            path = self._path(step)
+        if step == -1:
+            if not self.config.initial_load_path:
+                log.info("bytecheckpoint: no checkpoint in %s, this is a fresh start", self.folder)
+                return False
+            path, model_only = self.config.initial_load_path, self.config.initial_load_model_only
+            if not self._ckpt.is_checkpoint(path):
+                raise ValueError(f"checkpoint.initial_load_path is not a committed bytecheckpoint checkpoint: {path}")
+        else:
+            model_only = step == 0
+        begin = time.monotonic()
+        log.info("bytecheckpoint: loading %s%s", path, " (model only)" if model_only else "")
+        if model_only:
+            self._ckpt.load(path, {MODEL: self.model_parts}, strict=False)
+        else:
+            self._load_full(path)
+        log.info("bytecheckpoint: loaded %s in %.2f seconds", path, time.monotonic() - begin)
+        return True
+
+    def _load_full(self, path: str) -> None:
+        exclude = set(self.config.exclude_from_loading)
+        unknown = exclude - set(self.states) - {OPTIMIZER}
+        if unknown:
+            raise ValueError(f"{sorted(unknown)} not found in state_dict.")
+        state = self._full_state(exclude | {DATALOADER})
+        loader, plan = self.states.get(DATALOADER), None
+        if loader is not None and DATALOADER not in exclude:
+            dp_rank, dp_world = _compat.dp_coordinates(loader)
+            plan = _data.plan_for(self._ckpt.inspect(path), DATALOADER, dp_rank, dp_world)
+            if plan is not None:
+                state[DATALOADER] = plan.template()
+        self._ckpt.load(path, state, strict=not exclude and plan is not None)
+        if plan is None:
+            return
+        trainer = self.states.get(TRAIN_STATE)
+        layout = _compat.layout(trainer, loader) if _compat.is_trainer(trainer) else {}
+        resumed, self.data_order_report = _data.restore(plan, loader, trainer, layout)
+        if resumed is not loader:
+            _compat.replace_dataloader(trainer, resumed)
+            self.states[DATALOADER] = resumed
+        (log.info if not plan.why else log.warning)("bytecheckpoint: %s", self.data_order_report)
