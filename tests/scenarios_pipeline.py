@@ -188,7 +188,9 @@ def train(**args):
         y = torch.stack([sample(i)[1] for i in ids.tolist()])
         losses = []
         if schedule is None:
-            for xm, ym in zip(x.chunk(n_micro_local), y.chunk(n_micro_local)):
+            for i, (xm, ym) in enumerate(zip(x.chunk(n_micro_local), y.chunk(n_micro_local))):
+                if dp > 1:  # reduce once, after the last microbatch, as PipelineStage does under FSDP2
+                    parts[0].set_requires_gradient_sync(i == n_micro_local - 1)
                 loss = loss_fn(parts[0](xm), ym)
                 loss.backward()
                 losses.append(loss.detach())

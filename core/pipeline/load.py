@@ -425,7 +425,7 @@ def _read_into(comm: Comm, store: Storage, workers: Workers, md: Metadata, flat:
                 node = find_subtree(md.structure, prefix)
                 if node is not None:
                     consume(build_from_structure(node, tensors, objects))
-        for fin in flat.finalizers:
+        for fin in flat.finalizers + flat.after:
             fin()
 
     timed_run(comm, rec, "objects", read_all, f"loading {store.url!r}")

@@ -63,6 +63,7 @@ class Flat:
     setters: Dict[str, Callable[[Any], None]] = field(default_factory=dict)  # load: key -> assign
     subtrees: Dict[str, Callable[[Any], None]] = field(default_factory=dict)  # load: prefix -> consume full value
     finalizers: List[Callable[[], None]] = field(default_factory=list)
+    after: List[Callable[[], None]] = field(default_factory=list)  # load: after every finalizer (LR schedulers)
     structure: Any = None
     notes: Dict[str, str] = field(default_factory=dict)  # load: key -> how a value was prepared (LoadStats)
     undo: List[Callable[[], None]] = field(default_factory=list)  # load: take back what preparing made, on failure
@@ -139,6 +140,7 @@ class Walker:
         self.saved = saved  # load: the checkpoint's structure tree (what was saved), if known
         self.fsdp1_route = fsdp1_route  # how FSDP1 models are read/written (see state/fsdp1.py)
         self.param_owner = _param_owners(state)
+        self.optimizers = _optimizers(state)  # ids of the optimizers in the state
 
     def save(self, value: Any, key: str) -> Any:
         return self.registry.handler_for(value).save(value, key, self)
@@ -199,6 +201,12 @@ def each_leaf(state: Any, fn: Callable[[Any], None], depth: int = 0) -> None:
             each_leaf(x, fn, depth + 1)
         else:
             fn(x)
+
+
+def _optimizers(state: Any) -> set:
+    found: set = set()
+    each_leaf(state, lambda v: found.add(id(v)) if isinstance(v, torch.optim.Optimizer) else None)
+    return found
 
 
 def _param_owners(state: Any) -> Dict[int, nn.Module]:

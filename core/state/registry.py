@@ -20,6 +20,7 @@ from .deepspeed_engine import ENGINE_CLASS, DeepSpeedEngineHandler
 from .flatten import ModuleView, TypeRegistry
 from .modules import ModuleHandler, ModuleViewHandler, OptimizerHandler
 from .parts import PartsListHandler, PartsTupleHandler
+from .schedulers import SchedulerHandler
 
 
 def builtin_registry() -> TypeRegistry:
@@ -27,7 +28,8 @@ def builtin_registry() -> TypeRegistry:
     for typ, handler in ((dict, DictHandler()), (list, PartsListHandler()), (tuple, PartsTupleHandler()),
                          (torch.Tensor, TensorHandler()), (Shard, ShardHandler()), (FlatShard, FlatShardHandler()),
                          (nn.Module, ModuleHandler()), (ModuleView, ModuleViewHandler()),
-                         (torch.optim.Optimizer, OptimizerHandler())):
+                         (torch.optim.Optimizer, OptimizerHandler()),
+                         (torch.optim.lr_scheduler.LRScheduler, SchedulerHandler())):
         registry.register(typ, handler)
     for typ, handler in distributed.handlers():
         registry.register(typ, handler)
