@@ -78,6 +78,11 @@ def _flex_attention_on_cpu() -> None:
         return out, types.SimpleNamespace(lse=None)
 
     attention.FlexAttention.compiled_flex_attn = staticmethod(dense)
+    # attention.py:622 builds the block mask with torch.compile(create_block_mask): ~20 s of C++
+    # compilation per process on CPU for the same mask eager create_block_mask builds.
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    attention._compiled_create_block_mask = create_block_mask
 
 
 def _pipeline_step_microbatches() -> None:

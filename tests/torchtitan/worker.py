@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-from dataclasses import dataclass
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -22,28 +21,7 @@ shims.install()
 
 import torch  # noqa: E402
 
-from torchtitan.components.tokenizer import BaseTokenizer  # noqa: E402
-
-
-class ByteTokenizer(BaseTokenizer):
-    """UTF-8 bytes as tokens 0-255, BOS 256, EOS 257 (the debug model's vocabulary is 2048)."""
-
-    @dataclass(kw_only=True, slots=True)
-    class Config(BaseTokenizer.Config):
-        pass
-
-    def __init__(self, config: Config, *, tokenizer_path: str | None = None):
-        super().__init__()
-        self.bos_id, self.eos_id = 256, 257
-
-    def encode(self, text: str, add_bos: bool = True, add_eos: bool = True) -> list[int]:
-        return [self.bos_id] * add_bos + list(text.encode("utf-8")) + [self.eos_id] * add_eos
-
-    def decode(self, ids) -> str:
-        return bytes(i for i in ids if i < 256).decode("utf-8", "replace")
-
-    def get_vocab_size(self) -> int:
-        return 258
+from byte_tokenizer import ByteTokenizer  # noqa: E402
 
 
 def build_config(spec: dict):

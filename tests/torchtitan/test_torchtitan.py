@@ -1,0 +1,207 @@
+"""torchtitan_bytecheckpoint: the manager driven with torchtitan's own classes (fast, one process), and
+torchtitan's real Trainer on gloo processes (slow: tests/torchtitan/launch.py) saving with our
+manager and resuming at another layout, against torchtitan's own DCP manager."""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+
+import pytest
+
+pytest.importorskip("torchtitan", reason="pip install 'bytecheckpoint[torchtitan]'")
+
+import torch  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import launch  # noqa: E402
+
+
+# ---------------------------------------------------------------------- fast: no training loop
+
+class TrainState:
+    """torchtitan hands its Trainer as `train_state`; the fast test needs only its Stateful part."""
+
+    def __init__(self) -> None:
+        self.step, self.ntokens_seen = 0, 0
+
+    def state_dict(self):
+        return {"step": self.step, "ntokens_seen": self.ntokens_seen}
+
+    def load_state_dict(self, sd):
+        self.step, self.ntokens_seen = sd["step"], sd["ntokens_seen"]
+
+
+def _parts(data_dir, seed):
+    from byte_tokenizer import ByteTokenizer
+    from torchtitan.components.optimizer import LRSchedulersContainer
+    from torchtitan.components.optimizer.optimizer import default_adamw
+    from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Embedding(258, 16), torch.nn.Linear(16, 258))
+    optimizers = default_adamw(lr=1e-2, implementation="for-loop").build(model_parts=[model])
+    schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=optimizers, training_steps=20)
+    loader = HuggingFaceTextDataLoader.Config(dataset="c4_test", dataset_path=data_dir).build(
+        dp_world_size=1, dp_rank=0, tokenizer=ByteTokenizer(), seq_len=16, local_batch_size=2)
+    return model, optimizers, schedulers, loader, TrainState()
+
+
+def _manager(config, folder, model, optimizers, schedulers, loader, train_state):
+    return config.build(dataloader=loader, model_parts=[model], optimizers=optimizers, lr_schedulers=schedulers,
+                        states={"train_state": train_state}, sd_adapter=None, base_folder=str(folder))
+
+
+def _step(model, optimizers, schedulers, batches, train_state):
+    inputs, labels = next(batches)
+    loss = torch.nn.functional.cross_entropy(model(inputs["input"]).flatten(0, 1), labels.flatten())
+    loss.backward()
+    optimizers.step()
+    optimizers.zero_grad()
+    schedulers.step()
+    train_state.step += 1
+    return loss.item()
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tt_data")
+    saved = {k: os.environ.get(k) for k in ("HF_DATASETS_CACHE", "HF_DATASETS_OFFLINE")}
+    os.environ.update(HF_DATASETS_CACHE=str(root / "hf_cache"), HF_DATASETS_OFFLINE="1")
+    yield launch.make_dataset(root / "data", documents=60)
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def test_manager_saves_and_resumes_with_torchtitan_classes(tmp_path, data_dir):
+    from torchtitan_bytecheckpoint import ByteCheckpointManager
+
+    config = ByteCheckpointManager.Config(enable=True, folder="ckpt", interval=2, keep_latest_k=2,
+                                          last_save_model_only=False)
+    a = _parts(data_dir, 0)
+    manager = _manager(config, tmp_path, *a)
+    batches = iter(a[3])
+    losses = {}
+    for step in range(1, 7):
+        losses[step] = _step(a[0], a[1], a[2], batches, a[4])
+        assert manager.save(step, last_step=False) == (step % 2 == 0)
+    manager.close()
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["step-4", "step-6"]  # keep_latest_k=2
+    # a torn newer save is skipped (no commit point), the newest committed one is loaded
+    os.makedirs(tmp_path / "ckpt" / "step-8" / "data")
+
+    b = _parts(data_dir, 1)
+    config4 = ByteCheckpointManager.Config(enable=True, folder="ckpt", interval=2, load_step=4,
+                                           keep_latest_k=0, last_save_model_only=False)
+    resumed = _manager(config4, tmp_path, *b)
+    assert resumed.load(step=4)
+    assert b[4].step == 4 and b[2].schedulers[0].last_epoch == 4
+    assert "exact" in resumed.data_order_report
+    batches_b = iter(b[3])
+    for step in (5, 6):
+        assert _step(b[0], b[1], b[2], batches_b, b[4]) == pytest.approx(losses[step], rel=1e-6)
+    for x, y in zip(a[0].parameters(), b[0].parameters()):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+    resumed.close()
+
+    c = _parts(data_dir, 2)
+    latest = _manager(config, tmp_path, *c)
+    assert latest.load() and c[4].step == 6  # step-8 is torn
+    latest.close()
+
+
+def test_config_keeps_torchtitans_fields_and_async_modes():
+    from dataclasses import fields
+
+    from torchtitan.components.checkpointer import BaseCheckpointManager, CheckpointManager
+
+    from torchtitan_bytecheckpoint import ByteCheckpointManager
+
+    ours = {f.name for f in fields(ByteCheckpointManager.Config)}
+    assert {f.name for f in fields(BaseCheckpointManager.Config)} <= ours
+    assert {f.name for f in fields(CheckpointManager.Config)} <= ours
+    assert {"async_staging", "storage_options"} <= ours
+    for mode in ("disabled", "async", "async_with_pinned_mem", "ASYNC"):
+        assert ByteCheckpointManager.Config(async_mode=mode).async_mode == mode.lower()
+    with pytest.raises(ValueError, match="async_mode"):
+        ByteCheckpointManager.Config(async_mode="threads")
+    with pytest.raises(ValueError, match="keep_latest_k"):
+        ByteCheckpointManager.Config(keep_latest_k=-1)
+    assert type(ByteCheckpointManager.Config(enable=False).build(
+        dataloader=None, model_parts=[], optimizers=None, lr_schedulers=None, states={}, sd_adapter=None)
+    ) is ByteCheckpointManager
+    disabled = ByteCheckpointManager.Config(enable=False).build(
+        dataloader=None, model_parts=[], optimizers=None, lr_schedulers=None, states={}, sd_adapter=None)
+    assert disabled.save(10) is False and disabled.load() is False
+
+
+# ---------------------------------------------------------------------- slow: torchtitan's Trainer
+
+RUN_S = 240  # one multi-process run's time limit
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Uninterrupted 4-step runs on 2 processes (FSDP2), saving at steps 2 and 4, by each manager."""
+    root = tmp_path_factory.mktemp("tt_runs")
+    data = launch.make_dataset(root / "data")
+    out = {"root": root, "data": data}
+    for manager in ("dcp", "bcp"):
+        out[manager] = launch.run(2, dict(steps=4, data_dir=data, dump=str(root / f"{manager}_full"),
+                                          manager=manager, interval=2), timeout=RUN_S)
+    return out
+
+
+def _resume(runs, name, manager, nproc, source="bcp", **spec):
+    """A fresh dump folder holding only the uninterrupted run's step-2 checkpoint; train to step 4."""
+    dump = runs["root"] / name
+    shutil.copytree(runs["root"] / f"{source}_full" / "checkpoint" / "step-2", dump / "checkpoint" / "step-2")
+    return launch.run(nproc, dict(dict(steps=4, data_dir=runs["data"], dump=str(dump), manager=manager,
+                                       interval=2), **spec), timeout=RUN_S)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_trainer_fsdp2_resume_equals_torchtitans_dcp_manager(runs):
+    full_dcp, full_bcp = runs["dcp"][0]["losses"], runs["bcp"][0]["losses"]
+    assert full_bcp == full_dcp  # the manager does not change training
+    ours = _resume(runs, "bcp_dp2", "bcp", 2)
+    theirs = _resume(runs, "dcp_dp2", "dcp", 2, source="dcp")
+    assert ours[0]["losses"] == theirs[0]["losses"] == {3: full_dcp[3], 4: full_dcp[4]}
+    for rank in range(2):  # every rank trains on the tokens the uninterrupted run trained on
+        assert ours[rank]["batches"] == {s: runs["bcp"][rank]["batches"][s] for s in (3, 4)}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_trainer_dp2_to_dp1_continues_the_data_stream(runs):
+    """torchtitan's own manager refuses this resume (dataloader.py: 'dp_degree is inconsistent');
+    ours continues both saved DP ranks' streams on the one process."""
+    with pytest.raises(RuntimeError, match="dp_degree is inconsistent"):
+        _resume(runs, "dcp_dp1", "dcp", 1, source="dcp", local_batch=4)
+    ours = _resume(runs, "bcp_dp1", "bcp", 1, local_batch=4)
+    full = runs["bcp"]
+    for step in (3, 4):
+        assert ours[0]["batches"][step] == full[0]["batches"][step] + full[1]["batches"][step]
+        # the same tokens and weights; FSDP2's reduce-scatter sums in another order than one process
+        assert ours[0]["losses"][step] == pytest.approx(full[0]["losses"][step], rel=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("mode", ["async", "async_with_pinned_mem"])
+def test_trainer_async_modes_resume(runs, mode):
+    root = runs["root"]
+    full = launch.run(2, dict(steps=4, data_dir=runs["data"], dump=str(root / f"bcp_{mode}"), manager="bcp",
+                              interval=2, async_mode=mode), timeout=RUN_S)
+    assert full[0]["losses"] == runs["bcp"][0]["losses"]
+    dump = root / f"bcp_{mode}_resumed"
+    shutil.copytree(root / f"bcp_{mode}" / "checkpoint" / "step-2", dump / "checkpoint" / "step-2")
+    resumed = launch.run(2, dict(steps=4, data_dir=runs["data"], dump=str(dump), manager="bcp", interval=2,
+                                 async_mode=mode), timeout=RUN_S)
+    assert resumed[0]["losses"] == {s: full[0]["losses"][s] for s in (3, 4)}
