@@ -85,6 +85,7 @@ class ByteCheckpointManager(BaseCheckpointManager):
         self.export_dtype = _compat.TORCH_DTYPE_MAP[config.export_dtype]
         self.sd_adapter = sd_adapter
         self.data_order_report = ""
+        self._steps_seen = 0
         self._async = config.async_mode != "disabled"
         staging = config.async_staging if config.async_staging is not None else config.async_mode == "async_with_pinned_mem"
         self._owns = checkpointer is None
@@ -167,21 +168,33 @@ class ByteCheckpointManager(BaseCheckpointManager):
 
     def _maybe_wait_for_staging(self) -> None:
         """Nothing to wait for: with async staging bytecheckpoint's fence holds the optimizer step
-        itself until its copy landed (no double wait); without it save() returned after the copy."""
+        itself until its copy landed (no double wait); without it save() returned after the copy.
+
+        torchtitan calls this on every rank before every optimizer step; before the second one the
+        state exists in full (the first step made Adam's moments), so an async manager warms up
+        there: plans the state and allocates its staging buffers on a background thread, and the
+        first async save stalls only for its copy."""
+        self._steps_seen += 1
+        if self._async and self._steps_seen == 2 and not self._ckpt.closed:
+            self._ckpt.warm_up(self._full_state(), background=True)
 
     def _wait_for_saving(self) -> None:
+        """Every pending save has committed (or its error is raised here); retention catches up
+        with the ones that were still being written at their save()."""
         try:
             self._ckpt.wait()
         finally:
             self.save_future = None
+        self._purge_stale_checkpoints()
 
     def _close(self) -> None:
-        if getattr(self, "_ckpt", None) is None:
+        if getattr(self, "_ckpt", None) is None or self._ckpt.closed:
             return
-        if self._owns:
-            self._ckpt.close()
-        else:
-            self._ckpt.wait()
+        try:
+            self._wait_for_saving()
+        finally:
+            if self._owns:
+                self._ckpt.close()
 
     # ------------------------------------------------------------------ load
     def _step_paths(self) -> Dict[int, str]:

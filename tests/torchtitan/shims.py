@@ -97,6 +97,11 @@ def _pipeline_step_microbatches() -> None:
         if arg_mbs is None and kwarg_mbs is None and target_mbs is None:
             return original[type(self)](self, *args, losses=losses, return_outputs=return_outputs,
                                         loss_kwargs=loss_kwargs, **kwargs)
+        # what step() does around _step_microbatches (schedules.py:769-772, 1972): the stages' backward flag
+        # and their per-step runtime state reset
+        for stage in getattr(self, "_stages", None) or [self._stage]:
+            stage.has_backward = self._has_backward
+            stage.clear_runtime_states()
         return self._step_microbatches(arg_mbs=arg_mbs, kwarg_mbs=kwarg_mbs, target_mbs=target_mbs,
                                        losses=losses, return_outputs=return_outputs, loss_kwargs=loss_kwargs)
 

@@ -54,10 +54,12 @@ def _manager(config, folder, model, optimizers, schedulers, loader, train_state)
                         states={"train_state": train_state}, sd_adapter=None, base_folder=str(folder))
 
 
-def _step(model, optimizers, schedulers, batches, train_state):
+def _step(model, optimizers, schedulers, batches, train_state, manager=None):
     inputs, labels = next(batches)
     loss = torch.nn.functional.cross_entropy(model(inputs["input"]).flatten(0, 1), labels.flatten())
     loss.backward()
+    if manager is not None:
+        manager.maybe_wait_for_staging()  # where torchtitan's Trainer calls it
     optimizers.step()
     optimizers.zero_grad()
     schedulers.step()
@@ -78,18 +80,21 @@ def data_dir(tmp_path_factory):
             os.environ[k] = v
 
 
-def test_manager_saves_and_resumes_with_torchtitan_classes(tmp_path, data_dir):
+@pytest.mark.parametrize("mode", ["disabled", "async_with_pinned_mem"])
+def test_manager_saves_and_resumes_with_torchtitan_classes(tmp_path, data_dir, mode):
     from torchtitan_bytecheckpoint import ByteCheckpointManager
 
     config = ByteCheckpointManager.Config(enable=True, folder="ckpt", interval=2, keep_latest_k=2,
-                                          last_save_model_only=False)
+                                          last_save_model_only=False, async_mode=mode)
     a = _parts(data_dir, 0)
     manager = _manager(config, tmp_path, *a)
     batches = iter(a[3])
     losses = {}
     for step in range(1, 7):
-        losses[step] = _step(a[0], a[1], a[2], batches, a[4])
+        losses[step] = _step(a[0], a[1], a[2], batches, a[4], manager)
         assert manager.save(step, last_step=False) == (step % 2 == 0)
+    manager.maybe_wait_for_saving()
+    assert manager.save_future is None
     manager.close()
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["step-4", "step-6"]  # keep_latest_k=2
     # a torn newer save is skipped (no commit point), the newest committed one is loaded
@@ -165,7 +170,7 @@ def _resume(runs, name, manager, nproc, source="bcp", **spec):
                                        interval=2), **spec), timeout=RUN_S)
 
 
-@pytest.mark.slow
+@pytest.mark.torchtitan
 @pytest.mark.timeout(900)
 def test_trainer_fsdp2_resume_equals_torchtitans_dcp_manager(runs):
     full_dcp, full_bcp = runs["dcp"][0]["losses"], runs["bcp"][0]["losses"]
@@ -177,7 +182,7 @@ def test_trainer_fsdp2_resume_equals_torchtitans_dcp_manager(runs):
         assert ours[rank]["batches"] == {s: runs["bcp"][rank]["batches"][s] for s in (3, 4)}
 
 
-@pytest.mark.slow
+@pytest.mark.torchtitan
 @pytest.mark.timeout(900)
 def test_trainer_dp2_to_dp1_continues_the_data_stream(runs):
     """torchtitan's own manager refuses this resume (dataloader.py: 'dp_degree is inconsistent');
@@ -192,7 +197,7 @@ def test_trainer_dp2_to_dp1_continues_the_data_stream(runs):
         assert ours[0]["losses"][step] == pytest.approx(full[0]["losses"][step], rel=1e-4)
 
 
-@pytest.mark.slow
+@pytest.mark.torchtitan
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("mode", ["async", "async_with_pinned_mem"])
 def test_trainer_async_modes_resume(runs, mode):
