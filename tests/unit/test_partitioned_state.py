@@ -157,3 +157,15 @@ def test_module_lists_with_colliding_names_keep_index_keys(tmp_path):
     c, d = nn.Linear(2, 2), nn.Linear(2, 2)
     bcp.load(tmp_path / "ck", {"nets": [c, d]})
     assert torch.equal(c.weight, a.weight) and torch.equal(d.weight, b.weight)
+
+
+def test_two_ranks_saving_one_name_as_other_dtypes_are_named():
+    """Stages that disagree on one shared name (a tied embedding, say) are refused at save."""
+    from bytecheckpoint.planning.planner import TensorManifest, plan_save
+    box = (((0, 0), (4, 4)),)
+    a = TensorManifest("model/emb.weight", "float32", (4, 4), "replicated", box)
+    b = TensorManifest("model/emb.weight", "bfloat16", (4, 4), "replicated", box)
+    head = TensorManifest("model/head.weight", "float32", (2, 4), "replicated", (((0, 0), (2, 4)),))
+    with pytest.raises(bcp.ShardLayoutError, match=r"'model/emb.weight': rank 0 has dtype float32 .* rank 1 has "
+                                                   r"dtype bfloat16"):
+        plan_save([(a,), (b, head)])
