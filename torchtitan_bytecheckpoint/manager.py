@@ -12,6 +12,7 @@ checkpoint saved by every rank (its own shards), resumable on another layout and
 from __future__ import annotations
 
 import logging
+import os
 import re
 import time
 from dataclasses import dataclass
@@ -197,25 +198,21 @@ class ByteCheckpointManager(BaseCheckpointManager):
                 self._ckpt.close()
 
     # ------------------------------------------------------------------ load
-    def _step_paths(self) -> Dict[int, str]:
-        if not filesystem.isdir(self.folder):
-            return {}
-        steps = {}
-        for name in filesystem.listdir(self.folder):
-            match = _STEP.match(name.rstrip("/").rsplit("/", 1)[-1])
-            if match:
-                steps[int(match.group(1))] = self._path(int(match.group(1)))
-        return steps
-
     def _newest(self) -> Optional[int]:
-        """The newest committed step; newer torn ones are logged and skipped."""
-        steps = self._step_paths()
-        for step in sorted(steps, reverse=True):
-            if self._ckpt.is_checkpoint(steps[step]):
-                return step
-            log.warning("bytecheckpoint: %s is not a committed checkpoint (a save that did not finish); skipped",
-                        steps[step])
-        return None
+        """The step of the newest committed checkpoint in the folder (bcp.latest: local or remote);
+        newer saves that did not finish (no commit point) are logged and skipped."""
+        path = self._ckpt.latest(self.folder)
+        step = None
+        if path is not None:
+            match = _STEP.match(str(path).rstrip("/").rsplit("/", 1)[-1])
+            step = int(match.group(1)) if match else self._ckpt.inspect(path).info.get("step")
+        if "://" not in self.folder and os.path.isdir(self.folder):
+            for name in sorted(os.listdir(self.folder)):
+                match = _STEP.match(name)
+                if match and (step is None or int(match.group(1)) > step):
+                    log.warning("bytecheckpoint: %s is not a committed checkpoint (a save that did not finish); "
+                                "skipped", os.path.join(self.folder, name))
+        return step
 
     @torch.no_grad()
     def _load(self, step: int = -1) -> bool:
@@ -224,7 +221,7 @@ class ByteCheckpointManager(BaseCheckpointManager):
             if not self._ckpt.is_checkpoint(path):
                 raise FileNotFoundError(f"--checkpoint.load_step={step}: no committed checkpoint at {path}")
         else:
-            step = self._newest() if self._step_paths() else None
+            step = self._newest()
             step = -1 if step is None else step
             path = self._path(step)
         if step == -1:

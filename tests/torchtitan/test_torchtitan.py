@@ -81,7 +81,7 @@ def data_dir(tmp_path_factory):
 
 
 @pytest.mark.parametrize("mode", ["disabled", "async_with_pinned_mem"])
-def test_manager_saves_and_resumes_with_torchtitan_classes(tmp_path, data_dir, mode):
+def test_manager_saves_and_resumes_with_torchtitan_classes(tmp_path, data_dir, mode, caplog):
     from torchtitan_bytecheckpoint import ByteCheckpointManager
 
     config = ByteCheckpointManager.Config(enable=True, folder="ckpt", interval=2, keep_latest_k=2,
@@ -116,8 +116,47 @@ def test_manager_saves_and_resumes_with_torchtitan_classes(tmp_path, data_dir, m
 
     c = _parts(data_dir, 2)
     latest = _manager(config, tmp_path, *c)
-    assert latest.load() and c[4].step == 6  # step-8 is torn
+    with caplog.at_level("WARNING", logger="torchtitan_bytecheckpoint"):
+        assert latest.load() and c[4].step == 6  # step-8 is torn: skipped and said
+    assert "step-8 is not a committed checkpoint" in caplog.text
     latest.close()
+
+
+def test_last_step_model_only_then_initial_load_and_policies(tmp_path, data_dir):
+    import bytecheckpoint as bcp
+    from torchtitan_bytecheckpoint import ByteCheckpointManager
+
+    a = _parts(data_dir, 0)
+    config = ByteCheckpointManager.Config(enable=True, folder="ckpt", interval=100, keep_latest_k=0,
+                                          enable_first_step_checkpoint=True, last_save_model_only=True)
+    manager = _manager(config, tmp_path, *a)
+    batches = iter(a[3])
+    for step in range(1, 4):
+        _step(a[0], a[1], a[2], batches, a[4], manager)
+        assert manager.save(step, last_step=step == 3) == (step in (1, 3))
+    manager.close()
+    groups = {t.name.split("/")[0] for t in bcp.inspect(str(tmp_path / "ckpt" / "step-3")).tensors}
+    assert groups == {"model"}  # the last step: model only
+    assert "optimizer" in {t.name.split("/")[0] for t in bcp.inspect(str(tmp_path / "ckpt" / "step-1")).tensors}
+
+    b = _parts(data_dir, 1)
+    fresh = ByteCheckpointManager.Config(enable=True, folder="other", initial_load_path=str(tmp_path / "ckpt" / "step-3"),
+                                         initial_load_model_only=True, load_only=True)
+    starter = _manager(fresh, tmp_path, *b)
+    assert starter.load()
+    for x, y in zip(a[0].parameters(), b[0].parameters()):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+    assert b[4].step == 0 and not b[1].optimizers[0].state  # model only: no optimizer state, no step
+    assert starter.save(100, last_step=True) is False  # load_only
+    starter.close()
+
+    c = _parts(data_dir, 2)
+    partial = ByteCheckpointManager.Config(enable=True, folder="ckpt", load_step=1,
+                                           exclude_from_loading=["lr_scheduler", "dataloader"])
+    resumed = _manager(partial, tmp_path, *c)
+    assert resumed.load(step=1) and c[4].step == 1 and c[1].optimizers[0].state
+    assert c[2].schedulers[0].last_epoch == 0 and resumed.data_order_report == ""
+    resumed.close()
 
 
 def test_config_keeps_torchtitans_fields_and_async_modes():
