@@ -234,6 +234,20 @@ def test_trainer_dp2_to_dp1_continues_the_data_stream(runs):
         assert ours[0]["batches"][step] == full[0]["batches"][step] + full[1]["batches"][step]
         # the same tokens and weights; FSDP2's reduce-scatter sums in another order than one process
         assert ours[0]["losses"][step] == pytest.approx(full[0]["losses"][step], rel=1e-4)
+    # torchtitan's only way on: resume without the dataloader's state; the stream starts over
+    theirs = _resume(runs, "dcp_dp1_nodata", "dcp", 1, source="dcp", local_batch=4, exclude=["dataloader"])
+    trained = [tuple(x) for r in range(2) for s in (1, 2) for x in full[r]["batches"][s]]
+    due = [tuple(x) for r in range(2) for s in (3, 4) for x in full[r]["batches"][s]]
+
+    def replayed_skipped(rec):
+        got = [tuple(x) for s in (3, 4) for x in rec[0]["batches"][s]]
+        return sum(x in trained for x in got), sum(x not in got for x in due)
+
+    assert replayed_skipped(ours) == (0, 0)
+    replayed, skipped = replayed_skipped(theirs)
+    assert replayed > 0 and skipped > 0
+    print(f"DP2 -> 1 samples of steps 3-4 replayed/skipped: torchtitan without the dataloader {replayed}/"
+          f"{skipped} of {len(due)}, bytecheckpoint 0/0")
 
 
 @pytest.mark.torchtitan

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -55,9 +56,9 @@ def build_config(spec: dict):
     p.pipeline_parallel_schedule = spec.get("pp_schedule", "1F1B")
     p.pipeline_parallel_microbatch_size = spec.get("pp_microbatch", 1)
     p.pipeline_parallel_layers_per_stage = spec.get("pp_layers_per_stage")
-    common = dict(enable=True, folder=spec.get("folder", "checkpoint"), interval=spec.get("interval", 2),
+    common = dict(enable=spec.get("enable", True), folder=spec.get("folder", "checkpoint"), interval=spec.get("interval", 2),
                   last_save_model_only=False, keep_latest_k=spec.get("keep_latest_k", 0),
-                  load_step=spec.get("load_step", -1))
+                  load_step=spec.get("load_step", -1), exclude_from_loading=spec.get("exclude", []))
     if spec.get("manager", "dcp") == "dcp":
         config.checkpoint = CheckpointManager.Config(async_mode=spec.get("async_mode", "disabled"), **common)
     else:
@@ -86,6 +87,19 @@ def record(trainer, spec: dict) -> dict:
             yield input_dict, labels
 
     trainer.batch_generator = batches
+
+    def timed(name, fn):
+        def call(*args, **kwargs):
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            seen.setdefault(name, []).append(time.perf_counter() - t0)
+            return out
+        return call
+
+    ckpt = trainer.checkpointer  # seconds the loop spent in each call (a save's stall, the resume)
+    ckpt.save, ckpt.load = timed("save_s", ckpt.save), timed("load_s", ckpt.load)
+    ckpt.maybe_wait_for_staging = timed("staging_wait_s", ckpt.maybe_wait_for_staging)
+    trainer.train_step = timed("step_s", trainer.train_step)
     return seen
 
 
@@ -105,7 +119,7 @@ def main() -> None:
     finally:
         trainer.close()
     with open(f"{spec['out']}-r{rank}.json", "w") as f:
-        json.dump({"losses": seen["losses"], "batches": seen["batches"], "final_step": trainer.step}, f)
+        json.dump(dict(seen, final_step=trainer.step), f)
     torch.distributed.destroy_process_group()
 
 

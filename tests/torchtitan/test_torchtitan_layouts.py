@@ -1,0 +1,71 @@
+"""torchtitan's real Trainer saved at one parallel layout and resumed at another (gloo processes,
+tests/torchtitan/launch.py): the losses after our manager's resume equal those after torchtitan's own
+DCP manager's resume at the same layout from the same training; where DCP refuses (a smaller
+data-parallel degree), every later step trains on the uninterrupted run's tokens."""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+
+import pytest
+
+pytest.importorskip("torchtitan", reason="pip install 'bytecheckpoint[torchtitan]'")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import launch  # noqa: E402
+
+RUN_S = 300  # one multi-process run's time limit (4 processes on 2 cores take ~75 s)
+
+pytestmark = [pytest.mark.torchtitan, pytest.mark.timeout(1200)]
+
+# name: (processes, spec) of the run that saves at step 2, and of the resume to step 4
+LAYOUTS = {
+    "pp2-to-1": ((2, dict(pp=2, dp_shard=1)), (1, dict())),
+    "tp2-to-1": ((2, dict(tp=2, dp_shard=1)), (1, dict())),
+    "tp2xfsdp2-to-fsdp2": ((4, dict(tp=2, dp_shard=2)), (2, dict())),
+    "pp2xfsdp2-to-fsdp2": ((4, dict(pp=2, dp_shard=2)), (2, dict())),
+}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return launch.make_dataset(tmp_path_factory.mktemp("tt_layouts_data") / "data")
+
+
+def _save_and_resume(root, data, manager, saved, resumed):
+    (n_save, save_spec), (n_resume, resume_spec) = saved, resumed
+    first = root / f"{manager}_saved"
+    launch.run(n_save, dict(save_spec, steps=2, data_dir=data, dump=str(first), manager=manager, interval=2),
+               timeout=RUN_S)
+    second = root / f"{manager}_resumed"
+    shutil.copytree(first / "checkpoint" / "step-2", second / "checkpoint" / "step-2")
+    return launch.run(n_resume, dict(resume_spec, steps=4, data_dir=data, dump=str(second), manager=manager,
+                                     interval=2), timeout=RUN_S)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_resume_at_another_layout_equals_torchtitans_dcp_manager(tmp_path, data, layout):
+    saved, resumed = LAYOUTS[layout]
+    ours = _save_and_resume(tmp_path, data, "bcp", saved, resumed)
+    theirs = _save_and_resume(tmp_path, data, "dcp", saved, resumed)
+    assert sorted(ours[0]["losses"]) == [3, 4]
+    assert ours[0]["losses"] == theirs[0]["losses"]
+    assert ours[0]["batches"] == theirs[0]["batches"]
+
+
+def test_fsdp4_to_fsdp2_continues_every_saved_rank_stream(tmp_path, data):
+    """DP 4 -> 2: resumed DP rank r trains, per step, on saved DP ranks 2r and 2r+1's tokens."""
+    full = launch.run(4, dict(steps=4, data_dir=data, dump=str(tmp_path / "full"), manager="bcp", interval=2,
+                              dp_shard=4), timeout=RUN_S)
+    dump = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "full" / "checkpoint" / "step-2", dump / "checkpoint" / "step-2")
+    ours = launch.run(2, dict(steps=4, data_dir=data, dump=str(dump), manager="bcp", interval=2, local_batch=4),
+                      timeout=RUN_S)
+    for r in range(2):
+        for step in (3, 4):
+            assert ours[r]["batches"][step] == full[2 * r]["batches"][step] + full[2 * r + 1]["batches"][step]
+    for step in (3, 4):
+        assert ours[0]["losses"][step] == pytest.approx(full[0]["losses"][step], rel=1e-4)
