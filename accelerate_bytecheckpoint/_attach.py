@@ -177,7 +177,7 @@ class ByteCheckpointAttachment(_data.DataOrderMixin, _staging.WarmUpMixin, Metri
         acc = self._accelerator
         for name in _WRAPPED_METHODS:
             self._previous[name] = acc.__dict__.get(name, _MISSING)
-            original = getattr(acc, name)  # bound: the class method or an earlier instance patch
+            original = compat.method(acc, name)  # the class method (picklable) or an earlier instance patch
             wrapper = getattr(self, f"_wrapped_{name}")
             acc.__dict__[name] = functools.wraps(original)(functools.partial(wrapper, original))
         for kind, register in (("save", acc.register_save_state_pre_hook), ("load", acc.register_load_state_pre_hook)):

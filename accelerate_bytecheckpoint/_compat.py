@@ -113,3 +113,21 @@ def unwrap(accelerator: Any, model: Any) -> Any:
     if "keep_torch_compile" in inspect.signature(accelerator.unwrap_model).parameters:
         return accelerator.unwrap_model(model, keep_fp32_wrapper=True, keep_torch_compile=False)
     return accelerator.unwrap_model(model, keep_fp32_wrapper=True)
+
+
+class _Bound:
+    """``accelerator.<name>`` as the class defines it, bound at each call. Unlike a bound method it
+    pickles (an attached Accelerator is picklable): Accelerate's ``@on_main_process`` methods
+    (``log``) are functions named ``_inner``, and a bound method pickles by its function's name."""
+
+    def __init__(self, accelerator: Any, name: str) -> None:
+        self.accelerator, self.name = accelerator, name
+        self.__name__, self.__doc__ = name, getattr(type(accelerator), name).__doc__  # for functools.wraps
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return getattr(type(self.accelerator), self.name)(self.accelerator, *args, **kwargs)
+
+
+def method(accelerator: Any, name: str) -> Any:
+    """What the instance's ``name`` is now, for a wrapper: an earlier instance patch, else the class's."""
+    return accelerator.__dict__[name] if name in accelerator.__dict__ else _Bound(accelerator, name)

@@ -187,6 +187,24 @@ def test_accelerate_metrics_ride_on_the_scripts_own_log_calls(tmp_path):
     assert _metrics_rows(run(log_metrics=False)) == []
 
 
+def test_accelerate_attached_accelerator_with_its_log_wrapped_still_pickles():
+    """accelerator.log is an @on_main_process function named `_inner`: a bound method of it does not
+    pickle, so the wrapper holds the class's method by name (Accelerate's own test_can_pickle_dataloader)."""
+    pytest.importorskip("accelerate")
+    import pickle
+
+    from accelerate import Accelerator
+
+    from accelerate_bytecheckpoint import attach
+
+    acc = Accelerator(cpu=True)
+    handle = attach(acc)
+    copy = pickle.loads(pickle.dumps(acc))
+    assert "log" in copy.__dict__ and copy.log({"x": 1.0}, step=1) is None
+    handle.remove()
+    assert "log" not in acc.__dict__
+
+
 # ---------------------------------------------------------------------- transformers.Trainer
 def _tiny():
     sys.path.insert(0, str(Path(__file__).parent / "transformers_scripts"))
