@@ -24,6 +24,8 @@ pytestmark = [pytest.mark.torchtitan, pytest.mark.timeout(1200)]
 # name: (processes, spec) of the run that saves at step 2, and of the resume to step 4
 LAYOUTS = {
     "pp2-to-1": ((2, dict(pp=2, dp_shard=1)), (1, dict())),
+    "pp2-interleaved-to-1": ((2, dict(pp=2, dp_shard=1, pp_schedule="Interleaved1F1B")), (1, dict())),
+    "1-to-pp2": ((1, dict()), (2, dict(pp=2, dp_shard=1))),
     "tp2-to-1": ((2, dict(tp=2, dp_shard=1)), (1, dict())),
     "tp2xfsdp2-to-fsdp2": ((4, dict(tp=2, dp_shard=2)), (2, dict())),
     "pp2xfsdp2-to-fsdp2": ((4, dict(pp=2, dp_shard=2)), (2, dict())),
