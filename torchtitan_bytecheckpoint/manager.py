@@ -119,13 +119,14 @@ class ByteCheckpointManager(BaseCheckpointManager):
         return state
 
     def _model_only_state(self) -> Dict[str, Any]:
-        if self.export_dtype == torch.float32 and all(
-                p.dtype == torch.float32 for m in self.model_parts for p in m.parameters()):
-            return {MODEL: self.model_parts}
+        if not any(isinstance(v, torch.Tensor) and v.is_floating_point() and v.dtype != self.export_dtype
+                   for m in self.model_parts for v in m.state_dict().values()):
+            return {MODEL: self.model_parts}  # already in export_dtype: the modules themselves
         cast = {}
         for part in self.model_parts:
             for name, value in part.state_dict().items():
-                cast[name] = value.to(self.export_dtype) if value.is_floating_point() else value
+                floating = isinstance(value, torch.Tensor) and value.is_floating_point()
+                cast[name] = value.to(self.export_dtype) if floating else value
         return {MODEL: cast}
 
     # ------------------------------------------------------------------ save

@@ -159,6 +159,21 @@ def test_last_step_model_only_then_initial_load_and_policies(tmp_path, data_dir)
     resumed.close()
 
 
+def test_last_step_in_export_dtype_keeps_the_model_names(tmp_path, data_dir):
+    import bytecheckpoint as bcp
+    from torchtitan_bytecheckpoint import ByteCheckpointManager
+
+    a = _parts(data_dir, 0)
+    for folder, dtype in (("f32", "float32"), ("bf16", "bfloat16")):
+        config = ByteCheckpointManager.Config(enable=True, folder=folder, export_dtype=dtype, keep_latest_k=0)
+        manager = _manager(config, tmp_path, *a)
+        assert manager.save(5, last_step=True)
+        manager.close()
+    f32, bf16 = (bcp.inspect(str(tmp_path / f / "step-5")).tensors for f in ("f32", "bf16"))
+    assert sorted(t.name for t in f32) == sorted(t.name for t in bf16) == ["model/0.weight", "model/1.bias", "model/1.weight"]
+    assert {t.dtype for t in f32} == {"float32"} and {t.dtype for t in bf16} == {"bfloat16"}
+
+
 def test_config_keeps_torchtitans_fields_and_async_modes():
     from dataclasses import fields
 
