@@ -336,3 +336,13 @@ def merged_outputs(out_dir: str):
 if __name__ == "__main__":  # a run by hand: python scenarios_pipeline.py '{"stop": 2, "out": "/tmp/x"}'
     import sys
     train(**json.loads(sys.argv[1]))
+
+
+def conflicting_kinds(path):
+    """Rank 0 saves `x` as a tensor, rank 1 as a plain value: refused on every rank, nothing committed."""
+    rank = dist.get_rank()
+    try:
+        bcp.save(path, {"x": torch.ones(2) if rank == 0 else 3, "y": torch.zeros(1)})
+    except bcp.ShardLayoutError as exc:
+        print("refused:", exc)
+    assert not os.path.exists(os.path.join(path, "metadata.json"))

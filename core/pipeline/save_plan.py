@@ -173,13 +173,14 @@ def _union(comm: Comm, structure: Any, senders: List[int]) -> Optional[SavedStru
     if not senders:
         return SavedStructure(structure) if comm.is_coordinator else None
     trees = comm.gather(structure if comm.rank in senders else None)
-    result: Any = None
+    merged: Optional[SavedStructure] = None
+    error: Optional[BaseException] = None
     if comm.is_coordinator:
         try:
-            result = (True, structure_union.merge({0: structure, **{r: trees[r] for r in senders}}))
+            merged = structure_union.merge({0: structure, **{r: trees[r] for r in senders}})
         except Exception as exc:  # noqa: BLE001 - shipped to every rank
-            result = (False, exc)
-    ok, merged = comm.broadcast(result if comm.is_coordinator else None)
-    if not ok:
-        raise merged
-    return merged if comm.is_coordinator else None
+            error = exc
+    error = comm.broadcast(error)   # only the verdict travels: the coordinator alone writes the metadata
+    if error is not None:
+        raise error
+    return merged

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from . import fsdp1, optimizer_form
-from .modules import load_by_own_names, own_names, own_state_dict
+from .modules import OptimizerHandler, load_by_own_names, own_names, own_state_dict
 from .basic import ListHandler, TupleHandler
 from .flatten import find_subtree
 
@@ -49,7 +49,7 @@ def _optimizer_parts(value: Any, walk) -> Optional[List[Any]]:
     items = []
     for opt in value:
         handler = walk.registry.handler_for(opt)
-        owner = handler.owner(opt, walk) if hasattr(handler, "owner") and hasattr(handler, "names") else None
+        owner = handler.owner(opt, walk) if isinstance(handler, OptimizerHandler) else None
         if owner is None or fsdp1.holds_fsdp1(owner):
             return None
         items.append((opt, handler, owner))

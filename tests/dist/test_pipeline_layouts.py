@@ -84,10 +84,11 @@ def test_interleaved_parts_resume_on_one_process(tmp_path):
     (dict(pp=2, splits=[2, 2], optimizer="sgd"), dict(splits=[4], optimizer="sgd"), True),
     (dict(pp=2, splits=[2, 2], optimizer="adafactor"), dict(splits=[4], optimizer="adafactor"), True),
     (dict(pp=2, dp=2, splits=[2, 2]), dict(dp=2, splits=[4]), True),
+    (dict(pp=2, dp=2, splits=[1, 1, 1, 1], schedule="interleaved"), dict(dp=2, splits=[4]), True),
     (dict(pp=2, dp=2, splits=[2, 2]), dict(splits=[4]), False),
     (dict(pp=2, tp=2, splits=[2, 2]), dict(splits=[4]), False),
 ], ids=["pp1-pp2", "pp2-pp4", "interleaved-pp2-3+1", "fused-pp2-1", "foreach-pp2-1", "sgd-pp2-1",
-        "adafactor-pp2-1", "pp2xfsdp2-fsdp2", "pp2xfsdp2-1", "pp2xtp2-1"])
+        "adafactor-pp2-1", "pp2xfsdp2-fsdp2", "interleaved-pp2xfsdp2-fsdp2", "pp2xfsdp2-1", "pp2xtp2-1"])
 def test_layouts(tmp_path, a_layout, b_layout, exact):
     ck = str(tmp_path / "ck")
     world = lambda lay: lay.get("pp", 1) * lay.get("dp", 1) * lay.get("tp", 1)  # noqa: E731
@@ -103,6 +104,13 @@ def test_pp2_fsdp2_tp2_on_8_ranks_resumes_on_fsdp2(tmp_path):
     a, _ = _run(tmp_path, "a", 8, pp=2, dp=2, tp=2, splits=[2, 2], save_at=SAVE_AT, save=ck)
     b, _ = _run(tmp_path, "b", 2, dp=2, splits=[4], load=ck)
     _assert_same(a, b, exact=False)
+
+
+@pytest.mark.timeout(120)
+def test_a_key_saved_as_two_kinds_is_refused_on_every_rank(tmp_path):
+    outs = run_ranks("scenarios_pipeline:conflicting_kinds", 2, {"path": str(tmp_path / "ck")}, timeout=90)
+    for out in outs:
+        assert "refused: key 'x': rank 0 saves a tensor there but rank 1 a plain value" in out, out
 
 
 # ---------------------------------------------------------------------- experts
