@@ -100,7 +100,17 @@ def _hashable(k: Any) -> Any:
 
 
 def dumps(values: dict) -> bytes:
-    return json.dumps({k: encode(v) for k, v in values.items()}, separators=(",", ":")).encode()
+    # one encoding per distinct container object: an optimizer's group hyper-parameters are one
+    # dict stored under every parameter name of the group (state/optimizer_form.py)
+    memo: dict = {}
+
+    def once(v: Any) -> Any:
+        if type(v) not in (dict, list, tuple):
+            return encode(v)
+        if id(v) not in memo:
+            memo[id(v)] = encode(v)
+        return memo[id(v)]
+    return json.dumps({k: once(v) for k, v in values.items()}, separators=(",", ":")).encode()
 
 
 def loads_raw(raw: bytes) -> dict:
