@@ -30,6 +30,7 @@ import os
 from typing import Any, Callable, Dict, List, Optional
 
 import bytecheckpoint as bcp
+from bytecheckpoint.adapters.attachment import Attachment, check_target, checkpointer_for
 
 from . import _agreement, _data, _staging
 from ._agreement import CHECKPOINT_SUBDIR, LEGACY_MODEL_FILES, save_on_each_node
@@ -39,9 +40,7 @@ from ._metrics import MetricsLog, MetricsMixin
 
 logger = logging.getLogger(__name__)
 
-_ATTACHMENT_ATTR = "_bytecheckpoint_attachment"
 _WRAPPED_METHODS = ("save_state", "load_state", "end_training", "prepare_data_loader", "log")  # _data.py, _metrics.py
-_MISSING = object()
 
 
 def _key(prefix: str, index: int) -> str:
@@ -71,28 +70,23 @@ class _Call:
     strict: bool = True
 
 
-class ByteCheckpointAttachment(_data.DataOrderMixin, _staging.WarmUpMixin, MetricsMixin):
-    """Handle returned by :func:`attach`. ``remove()`` restores Accelerate's default behaviour."""
+class ByteCheckpointAttachment(_data.DataOrderMixin, _staging.WarmUpMixin, MetricsMixin, Attachment):
+    """Handle returned by :func:`attach`. ``remove()`` restores Accelerate's default behaviour.
+    (checkpointer, active, async_save, pending, wait, remove and the context manager: Attachment.)"""
 
     def __init__(self, accelerator: Any, checkpointer: "bcp.Checkpointer", *, owns_checkpointer: bool,
                  async_save: Optional[bool], storage_options: Optional[dict], collective_save: bool,
                  log_metrics: Optional[bool] = None, metrics_step: Optional[Callable[[], int]] = None) -> None:
         self._metrics = MetricsLog(accelerator, log_metrics, metrics_step)  # checkpoint/... via accelerator.log
+        super().__init__(checkpointer, owns_checkpointer=owns_checkpointer, async_save=async_save,
+                         storage_options=storage_options)
         self._accelerator = accelerator
-        self._ckpt = checkpointer
-        self._owns = owns_checkpointer
-        # Per-call arguments for a shared checkpointer (an owned one was built with them).
+        # async_save per call for a shared checkpointer (an owned one was built with it).
         self._overrides: Dict[str, Any] = {}
         if async_save is not None and not owns_checkpointer:
             self._overrides["async_save"] = bool(async_save)
-        self._storage: Dict[str, Any] = {}
-        if storage_options is not None and not owns_checkpointer:
-            self._storage["storage_options"] = storage_options
-        self._async = checkpointer.options.async_save if async_save is None else bool(async_save)
         self.collective_save = bool(collective_save)
         self._call: Optional[_Call] = None
-        self._active = False
-        self._previous: Dict[str, Any] = {}
         self._hooks: Dict[str, tuple] = {}
 
     # ------------------------------------------------------------------ public
@@ -101,29 +95,8 @@ class ByteCheckpointAttachment(_data.DataOrderMixin, _staging.WarmUpMixin, Metri
         return self._accelerator
 
     @property
-    def checkpointer(self) -> "bcp.Checkpointer":
-        return self._ckpt
-
-    @property
-    def active(self) -> bool:
-        return self._active
-
-    @property
-    def async_save(self) -> bool:
-        return self._async
-
-    @property
     def storage_options(self) -> Optional[dict]:
         return self._storage.get("storage_options", self._ckpt.storage_options)
-
-    @property
-    def pending(self) -> List[str]:
-        """Targets of async saves still being written (the checkpointer's pending saves)."""
-        return self._ckpt.pending_paths()
-
-    def wait(self) -> None:
-        """Block until every async save of the checkpointer is committed; re-raises a failure."""
-        self._ckpt.wait()
 
     def latest(self) -> Optional[str]:
         """With ``ProjectConfiguration(automatic_checkpoint_naming=True)``: the ``checkpoint_<n>``
@@ -142,25 +115,6 @@ class ByteCheckpointAttachment(_data.DataOrderMixin, _staging.WarmUpMixin, Metri
                              "automatic_checkpoint_naming=True)), or bytecheckpoint.latest(<dir>) for your own folders")
         return _agreement.latest_committed(acc, self._ckpt, self._storage)
 
-    def remove(self) -> None:
-        """Wait for pending saves, then restore Accelerate's own save/load behaviour (and close
-        the checkpointer if the attachment built it)."""
-        if not self._active:
-            return
-        try:
-            self.wait()
-            self._metrics.end()  # what no accelerator.log took, while the trackers are there
-        finally:
-            self._uninstall()
-            if self._owns:
-                self._ckpt.close()
-
-    def __enter__(self) -> "ByteCheckpointAttachment":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.remove()
-
     def __getstate__(self) -> Dict[str, Any]:
         """Pickling an attached Accelerator: the copy gets its own checkpointer with every setting
         (Checkpointer.__reduce__ builds a new, idle one) and owns it."""
@@ -176,37 +130,23 @@ class ByteCheckpointAttachment(_data.DataOrderMixin, _staging.WarmUpMixin, Metri
     def _install(self) -> None:
         acc = self._accelerator
         for name in _WRAPPED_METHODS:
-            self._previous[name] = acc.__dict__.get(name, _MISSING)
-            original = compat.method(acc, name)  # the class method (picklable) or an earlier instance patch
-            wrapper = getattr(self, f"_wrapped_{name}")
-            acc.__dict__[name] = functools.wraps(original)(functools.partial(wrapper, original))
+            # the class method (picklable) or an earlier instance patch
+            self._wrap(acc, name, compat.method(acc, name), getattr(self, f"_wrapped_{name}"))
         for kind, register in (("save", acc.register_save_state_pre_hook), ("load", acc.register_load_state_pre_hook)):
             self._hooks[kind] = (register(getattr(self, f"_{kind}_hook_first")),
                                  register(getattr(self, f"_{kind}_hook_last")))
             self._order_hooks(kind)
-        setattr(acc, _ATTACHMENT_ATTR, self)
+        self._mark(acc)
         self._active = True
 
     def _uninstall(self) -> None:
-        acc = self._accelerator
         self._active = False
         for handles in self._hooks.values():
             for handle in handles:
                 handle.remove()
         self._hooks.clear()
-        for name, previous in self._previous.items():
-            current = acc.__dict__.get(name)
-            if getattr(current, "func", None) is None or getattr(current.func, "__self__", None) is not self:
-                # Someone wrapped the method again after attach: leave their wrapper; ours is
-                # now a pass-through because self._active is False.
-                continue
-            if previous is _MISSING:
-                del acc.__dict__[name]
-            else:
-                acc.__dict__[name] = previous
-        self._previous.clear()
-        if acc.__dict__.get(_ATTACHMENT_ATTR) is self:
-            delattr(acc, _ATTACHMENT_ATTR)
+        self._restore()
+        self._unmark(self._accelerator)
 
     def _order_hooks(self, kind: str) -> None:
         first, last = self._hooks[kind]
@@ -477,19 +417,12 @@ def attach(accelerator: Any, checkpointer: Optional["bcp.Checkpointer"] = None, 
     """
     import accelerate
 
-    if not isinstance(accelerator, accelerate.Accelerator):
-        raise TypeError(f"accelerate_bytecheckpoint.attach expects an accelerate.Accelerator; got {type(accelerator).__name__}")
-    if getattr(accelerator, _ATTACHMENT_ATTR, None) is not None:
-        raise RuntimeError("accelerate_bytecheckpoint.attach: this Accelerator is already attached; remove() the first handle")
+    check_target(accelerator, accelerate.Accelerator, "accelerate_bytecheckpoint", "an accelerate.Accelerator",
+                 "Accelerator")
     compat.check(accelerator)
     routes.check_supported(accelerator)
-    if checkpointer is None:
-        checkpointer, owns = bcp.Checkpointer.from_env(storage_options=storage_options, async_save=async_save), True
-    elif not isinstance(checkpointer, bcp.Checkpointer):
-        raise TypeError(f"accelerate_bytecheckpoint.attach: checkpointer must be a bytecheckpoint.Checkpointer, got "
-                        f"{type(checkpointer).__name__}")
-    else:
-        owns = False
+    checkpointer, owns = checkpointer_for(checkpointer, "accelerate_bytecheckpoint", storage_options=storage_options,
+                                          async_save=async_save)
     attachment = ByteCheckpointAttachment(accelerator, checkpointer, owns_checkpointer=owns, async_save=async_save,
                                           storage_options=storage_options, collective_save=collective_save,
                                           log_metrics=log_metrics, metrics_step=metrics_step)

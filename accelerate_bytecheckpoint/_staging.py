@@ -11,44 +11,25 @@ itself needs nothing here: the state holds the torch optimizers, which the engin
 """
 from __future__ import annotations
 
-import logging
-import weakref
-from typing import Any, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
-import bytecheckpoint as bcp
-from bytecheckpoint.pipeline.gate import AfterFirstSteps
+from bytecheckpoint.adapters import staging
 
 from . import _compat as compat
 from . import _routes as routes
 
-logger = logging.getLogger(__name__)
-_TRIGGERS: "weakref.WeakKeyDictionary[Any, AfterFirstSteps]" = weakref.WeakKeyDictionary()
 
-
-class WarmUpMixin:
+class WarmUpMixin(staging.WarmUpMixin):
     """ByteCheckpointAttachment's automatic warm-up (it holds _accelerator, _ckpt, _async, active,
-    _collective, _writes and _local_state)."""
+    _collective, _writes and _local_state); arming, the trigger and ``warm_up_started``: core's
+    adapters/staging.py."""
 
-    def _arm_warm_up(self) -> None:
-        _TRIGGERS[self] = AfterFirstSteps(_optimizers, lambda a: a._warm_up_now(), owner=self)
+    def _warm_up_optimizers(self) -> Optional[list]:
+        return compat.optimizers(self._accelerator)
 
-    @property
-    def warm_up_started(self) -> Any:
-        """The Future (bytes allocated) of the automatic warm-up, or None before it started."""
-        trigger = _TRIGGERS.get(self)
-        return trigger.result if trigger is not None else None
-
-    def _warm_up_now(self) -> Any:
-        if not self._async or self._ckpt.closed:
-            return None
+    def _warm_up_plan(self) -> Optional[Tuple[bool, Callable[[], Dict[str, Any]]]]:
         route = routes.route_for(self._accelerator, compat.models(self._accelerator))
         collective = self._collective(route)
         if not collective and not self._writes():
             return None
-        group = {} if collective else {"process_group": bcp.LOCAL}
-        logger.debug("bytecheckpoint: staging warm-up starting after the first optimizer step")
-        return self._ckpt.warm_up(self._local_state(), background=True, **group)
-
-
-def _optimizers(a: WarmUpMixin) -> Optional[list]:
-    return compat.optimizers(a._accelerator) if a.active else None  # None: removed, disarm
+        return collective, self._local_state
