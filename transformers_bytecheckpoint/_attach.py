@@ -27,9 +27,10 @@ import functools
 import logging
 import os
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Optional
 
 import bytecheckpoint as bcp
+from bytecheckpoint.adapters.attachment import Attachment, check_target, checkpointer_for
 from bytecheckpoint.dist.comm import Comm
 from bytecheckpoint.state.flatten import top_level_placeholders
 
@@ -47,11 +48,9 @@ from ._model_files import write_model_files
 
 logger = logging.getLogger(__name__)
 
-_ATTACHMENT_ATTR = "_bytecheckpoint_attachment"
 _WRAPPED = ("train", "_save_checkpoint", "save_model", "_save_optimizer_and_scheduler", "_save_scaler",
             "_save_rng_state", "_push_from_checkpoint", "_load_from_checkpoint", "_prepare_for_training",
             "_load_rng_state", "_load_best_model", "_finalize_training")
-_MISSING = object()
 
 
 @dataclasses.dataclass
@@ -64,71 +63,26 @@ class _SaveCall:
     push: Optional[str] = None
 
 
-class TrainerAttachment(_data.DataOrderMixin, _staging.WarmUpMixin):
-    """Handle returned by :func:`attach`. ``remove()`` restores the Trainer's own checkpointing."""
+class TrainerAttachment(_data.DataOrderMixin, _staging.WarmUpMixin, Attachment):
+    """Handle returned by :func:`attach`. ``remove()`` restores the Trainer's own checkpointing.
+    (checkpointer, active, async_save, pending, wait, remove and the context manager: Attachment.)"""
 
     def __init__(self, trainer: Any, checkpointer: "bcp.Checkpointer", *, owns_checkpointer: bool,
                  async_save: Optional[bool], storage_options: Optional[dict], log_metrics: Optional[bool] = None,
                  metrics_in_log_history: bool = False) -> None:
         self._metrics = MetricsLog(trainer, log_metrics, metrics_in_log_history)  # checkpoint/... to the callbacks
+        super().__init__(checkpointer, owns_checkpointer=owns_checkpointer, async_save=async_save,
+                         storage_options=storage_options)
         self._trainer = trainer
-        self._ckpt = checkpointer
-        self._owns = owns_checkpointer
-        self._async = checkpointer.options.async_save if async_save is None else bool(async_save)
-        self._storage: Dict[str, Any] = {}
-        if storage_options is not None and not owns_checkpointer:
-            self._storage["storage_options"] = storage_options
         self._call: Optional[_SaveCall] = None
         self._sync_reason: Optional[str] = None   # "JIT checkpoint": this save is synchronous
         self._resumed: Optional[Dict[str, Any]] = None  # {"path", "trainer"} of the last bytecheckpoint resume
-        self._active = False
-        self._previous: Dict[Any, Any] = {}
         self.last_save: Dict[str, float] = {}
 
     # ------------------------------------------------------------------ public
     @property
     def trainer(self) -> Any:
         return self._trainer
-
-    @property
-    def checkpointer(self) -> "bcp.Checkpointer":
-        return self._ckpt
-
-    @property
-    def active(self) -> bool:
-        return self._active
-
-    @property
-    def async_save(self) -> bool:
-        return self._async
-
-    @property
-    def pending(self) -> List[str]:
-        """Targets of async saves still being written (the checkpointer's pending saves)."""
-        return self._ckpt.pending_paths()
-
-    def wait(self) -> None:
-        """Block until every async save of the checkpointer is committed; re-raises a failure."""
-        self._ckpt.wait()
-
-    def remove(self) -> None:
-        """Wait for pending saves, restore the Trainer's own methods (and close the checkpointer
-        if the attachment built it)."""
-        if not self._active:
-            return
-        try:
-            self.wait()
-            self._metrics.end()  # what no Trainer log took (saves made outside train())
-        finally:
-            self._uninstall()
-            if self._owns:
-                self._ckpt.close()
-
-    def __enter__(self) -> "TrainerAttachment":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.remove()
 
     def __repr__(self) -> str:
         return f"TrainerAttachment(active={self._active}, async_save={self._async}, pending={len(self.pending)})"
@@ -137,35 +91,19 @@ class TrainerAttachment(_data.DataOrderMixin, _staging.WarmUpMixin):
     def _install(self) -> None:
         tr = self._trainer
         for name in _WRAPPED:
-            self._previous[name] = tr.__dict__.get(name, _MISSING)
-            original = compat.method(tr, name)
             wrapper = getattr(self, f"_w{name}" if name.startswith("_") else f"_w_{name}")
-            tr.__dict__[name] = functools.wraps(original)(functools.partial(wrapper, original))
+            self._wrap(tr, name, compat.method(tr, name), wrapper)
         for manager in compat.jit_managers(tr):
-            self._previous[manager] = manager.__dict__.get("execute_jit_checkpoint", _MISSING)
-            original = manager.execute_jit_checkpoint
-            manager.__dict__["execute_jit_checkpoint"] = functools.wraps(original)(
-                functools.partial(self._w_jit, original))
-        setattr(tr, _ATTACHMENT_ATTR, self)
+            self._wrap(manager, "execute_jit_checkpoint", manager.execute_jit_checkpoint, self._w_jit)
+        self._mark(tr)
         self._metrics.install()
         self._active = True
 
     def _uninstall(self) -> None:
         self._active = False
-        tr = self._trainer
         self._metrics.uninstall()
-        for owner, previous in self._previous.items():
-            obj, name = (tr, owner) if isinstance(owner, str) else (owner, "execute_jit_checkpoint")
-            current = obj.__dict__.get(name)
-            if getattr(getattr(current, "func", None), "__self__", None) is not self:
-                continue  # wrapped again after attach: ours is a pass-through now (not active)
-            if previous is _MISSING:
-                del obj.__dict__[name]
-            else:
-                obj.__dict__[name] = previous
-        self._previous.clear()
-        if tr.__dict__.get(_ATTACHMENT_ATTR) is self:
-            delattr(tr, _ATTACHMENT_ATTR)
+        self._restore()
+        self._unmark(self._trainer)
 
     # ------------------------------------------------------------------ saving
     def _w_save_checkpoint(self, original: Callable, model: Any, trial: Any = None) -> None:
@@ -457,10 +395,7 @@ def attach(trainer: Any, checkpointer: Optional["bcp.Checkpointer"] = None, *, a
     """
     from transformers import Trainer
 
-    if not isinstance(trainer, Trainer):
-        raise TypeError(f"transformers_bytecheckpoint.attach expects a transformers.Trainer; got {type(trainer).__name__}")
-    if getattr(trainer, _ATTACHMENT_ATTR, None) is not None:
-        raise RuntimeError("transformers_bytecheckpoint.attach: this Trainer is already attached; remove() the first handle")
+    check_target(trainer, Trainer, "transformers_bytecheckpoint", "a transformers.Trainer", "Trainer")
     compat.check(trainer)
     routes.route_for(trainer)
     args = trainer.args
@@ -469,14 +404,8 @@ def attach(trainer: Any, checkpointer: Optional["bcp.Checkpointer"] = None, *, a
             "transformers_bytecheckpoint.attach: save_on_each_node=True with sharded (FSDP/DeepSpeed/DTensor) "
             "state: every process writes its part into one folder, so the folder must be on a file system all "
             "nodes share. Set save_on_each_node=False (TrainingArguments), or do not attach.")
-    if checkpointer is None:
-        checkpointer, owns = bcp.Checkpointer.from_env(storage_options=storage_options, async_save=async_save,
-                                                       async_staging=async_staging), True
-    elif not isinstance(checkpointer, bcp.Checkpointer):
-        raise TypeError(f"transformers_bytecheckpoint.attach: checkpointer must be a bytecheckpoint.Checkpointer, got "
-                        f"{type(checkpointer).__name__}")
-    else:
-        owns = False
+    checkpointer, owns = checkpointer_for(checkpointer, "transformers_bytecheckpoint", storage_options=storage_options,
+                                          async_save=async_save, async_staging=async_staging)
     attachment = TrainerAttachment(trainer, checkpointer, owns_checkpointer=owns, async_save=async_save,
                                    storage_options=storage_options, log_metrics=log_metrics,
                                    metrics_in_log_history=metrics_in_log_history)

@@ -12,51 +12,35 @@ holds never steps itself (the engine does): no warm-up there, and nothing is def
 """
 from __future__ import annotations
 
-import logging
+import functools
 import types
-import weakref
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
-import bytecheckpoint as bcp
-from bytecheckpoint.pipeline.gate import AfterFirstSteps
+from bytecheckpoint.adapters import staging
 
 from . import _routes as routes
 
-logger = logging.getLogger(__name__)
-_TRIGGERS: "weakref.WeakKeyDictionary[Any, AfterFirstSteps]" = weakref.WeakKeyDictionary()
 # what _state saves of a checkpoint's tensors (no RNG: its gather is a collective of its own)
 _TENSORS = types.SimpleNamespace(output_dir=None, optimizer=True, scaler=True, rng=False, push=None)
 
 
-class WarmUpMixin:
-    """TrainerAttachment's async staging (it holds _trainer, _ckpt, _async, active and _state)."""
+class WarmUpMixin(staging.WarmUpMixin):
+    """TrainerAttachment's async staging (it holds _trainer, _ckpt, _async, active and _state); the
+    trigger and ``warm_up_started``: core's adapters/staging.py."""
 
     _staging_kw: Dict[str, Any] = {}
 
     def _staging_setup(self, async_staging: Optional[bool], owns: bool) -> None:
         """A shared checkpointer gets `async_staging` per call (an owned one was built with it)."""
-        self._staging_kw = {"async_staging": bool(async_staging)} if async_staging is not None and not owns else {}
-        _TRIGGERS[self] = AfterFirstSteps(_optimizers, lambda a: a._warm_up_now(), owner=self)
+        self._staging_kw = staging.per_call(async_staging, owns)
+        self._arm_warm_up()
 
-    @property
-    def warm_up_started(self) -> Any:
-        """The Future (bytes allocated) of the automatic warm-up, or None before it started."""
-        trigger = _TRIGGERS.get(self)
-        return trigger.result if trigger is not None else None
+    def _warm_up_optimizers(self) -> Optional[list]:
+        return [self._trainer.optimizer] if self._trainer.optimizer is not None else []
 
-    def _warm_up_now(self) -> Any:
-        if not self._async or self._ckpt.closed:
-            return None
+    def _warm_up_plan(self) -> Optional[Tuple[bool, Callable[[], Dict[str, Any]]]]:
         tr = self._trainer
         route = routes.route_for(tr)
         if not (route.collective or tr.args.should_save):
             return None
-        group = {} if route.collective else {"process_group": bcp.LOCAL}
-        logger.debug("bytecheckpoint: staging warm-up starting after the first optimizer step")
-        return self._ckpt.warm_up(self._state(route, _TENSORS), background=True, **group)
-
-
-def _optimizers(a: WarmUpMixin) -> Optional[list]:
-    if not a.active:
-        return None  # removed: disarm
-    return [a._trainer.optimizer] if a._trainer.optimizer is not None else []
+        return route.collective, functools.partial(self._state, route, _TENSORS)
