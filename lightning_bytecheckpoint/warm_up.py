@@ -18,27 +18,23 @@ import weakref
 from typing import Any, Optional
 
 import bytecheckpoint as bcp
-from bytecheckpoint.pipeline.gate import AfterFirstSteps
+from bytecheckpoint.adapters import staging
 from lightning.pytorch.strategies import DeepSpeedStrategy
 
 from . import _class_switch, _state
 from .checkpoint_io import ByteCheckpointIO
 
 log = logging.getLogger(__name__)
-_ARMED: "weakref.WeakKeyDictionary[ByteCheckpointIO, AfterFirstSteps]" = weakref.WeakKeyDictionary()
 
 
 def started(io: ByteCheckpointIO) -> Any:
     """The Future of `io`'s last automatic warm-up (bytes allocated), or None if none started."""
-    trigger = _ARMED.get(io)
-    return trigger.result if trigger is not None else None
+    return staging.started(io)
 
 
 def arm(io: ByteCheckpointIO, strategy: Any) -> None:
-    """Warm `io`'s engine up after `strategy`'s optimizers first stepped (once per assignment)."""
-    old = _ARMED.pop(io, None)
-    if old is not None:
-        old.remove()
+    """Warm `io`'s engine up after `strategy`'s optimizers first stepped (once per assignment; the
+    trigger and its re-arming: core's adapters/staging.py)."""
     strategy_ref = weakref.ref(strategy)
 
     def optimizers(io: ByteCheckpointIO) -> Optional[list]:
@@ -48,8 +44,7 @@ def arm(io: ByteCheckpointIO, strategy: Any) -> None:
     def fire(io: ByteCheckpointIO) -> Any:
         s = strategy_ref()
         return warm_up(io, s) if s is not None else None
-    # a re-armed plugin still reports its last warm-up until the new one starts
-    _ARMED[io] = AfterFirstSteps(optimizers, fire, owner=io, result=old.result if old is not None else None)
+    staging.arm(io, optimizers, fire)  # a re-armed plugin still reports its last warm-up until the new one starts
 
 
 def warm_up(io: ByteCheckpointIO, strategy: Any) -> Any:
