@@ -136,7 +136,8 @@ class ResumedDataLoader(_compat.BaseDataLoader):
     saved rank's `batches_per_step` batches in rank order, re-cut into batches of `batch`."""
 
     def __init__(self, subs: Sequence[Any], batches_per_step: int, batch: int, saved_world: int) -> None:
-        self.subs, self.batches_per_step, self.batch, self.saved_world = list(subs), batches_per_step, batch, saved_world
+        self.subs, self.batches_per_step = list(subs), batches_per_step
+        self.batch, self.saved_world = batch, saved_world
 
     def __iter__(self) -> Iterator[Tuple[Dict[str, torch.Tensor], torch.Tensor]]:
         iters = [iter(s) for s in self.subs]

@@ -27,7 +27,9 @@ from . import _compat, _data
 from ._compat import BaseCheckpointManager, filesystem
 
 log = logging.getLogger("torchtitan_bytecheckpoint")
-MODEL, OPTIMIZER, LR_SCHEDULER, DATALOADER, TRAIN_STATE = "model", "optimizer", "lr_scheduler", "dataloader", "train_state"
+# the keys of a checkpoint, torchtitan's own (components/checkpointer/base.py)
+MODEL, OPTIMIZER, LR_SCHEDULER = "model", "optimizer", "lr_scheduler"
+DATALOADER, TRAIN_STATE = "dataloader", "train_state"
 _ASYNC_MODES = ("disabled", "async", "async_with_pinned_mem")
 _STEP = re.compile(r"^step-(\d+)$")
 
@@ -88,7 +90,9 @@ class ByteCheckpointManager(BaseCheckpointManager):
         self.data_order_report = ""
         self._steps_seen = 0
         self._async = config.async_mode != "disabled"
-        staging = config.async_staging if config.async_staging is not None else config.async_mode == "async_with_pinned_mem"
+        staging = config.async_staging
+        if staging is None:
+            staging = config.async_mode == "async_with_pinned_mem"
         self._owns = checkpointer is None
         self._ckpt = checkpointer if checkpointer is not None else bcp.Checkpointer(
             storage_options=config.storage_options, async_save=self._async, async_staging=bool(staging))

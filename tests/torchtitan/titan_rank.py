@@ -1,10 +1,10 @@
-"""One rank of a torchtitan training run on CPU (gloo): `python worker.py` with RANK, WORLD_SIZE,
-LOCAL_RANK, MASTER_ADDR/PORT and TT_SPEC (JSON, see launch.py) in the environment.
+"""One rank of a torchtitan training run on CPU (gloo), started by tests/launcher.run_ranks as
+`titan_rank:main` (launch.py) with the run's spec (see launch.py).
 
 Builds torchtitan's llama3 debug model config, swaps in a byte-level tokenizer and a local
 dataset (no hub), picks the checkpoint manager ("dcp": torchtitan's own, "bcp": ours), runs the
 real Trainer, and writes what the tests compare (each step's loss and this rank's token batches)
-to TT_SPEC["out"]-r<rank>.json.
+to spec["out"]-r<rank>.json.
 """
 from __future__ import annotations
 
@@ -56,7 +56,8 @@ def build_config(spec: dict):
     p.pipeline_parallel_schedule = spec.get("pp_schedule", "1F1B")
     p.pipeline_parallel_microbatch_size = spec.get("pp_microbatch", 1)
     p.pipeline_parallel_layers_per_stage = spec.get("pp_layers_per_stage")
-    common = dict(enable=spec.get("enable", True), folder=spec.get("folder", "checkpoint"), interval=spec.get("interval", 2),
+    common = dict(enable=spec.get("enable", True), folder=spec.get("folder", "checkpoint"),
+                  interval=spec.get("interval", 2),
                   last_save_model_only=False, keep_latest_k=spec.get("keep_latest_k", 0),
                   load_step=spec.get("load_step", -1), exclude_from_loading=spec.get("exclude", []))
     if spec.get("manager", "dcp") == "dcp":
@@ -103,8 +104,7 @@ def record(trainer, spec: dict) -> dict:
     return seen
 
 
-def main() -> None:
-    spec = json.loads(os.environ["TT_SPEC"])
+def main(spec: dict) -> None:
     from torchtitan.tools.logging import init_logger
 
     init_logger()
@@ -120,8 +120,3 @@ def main() -> None:
         trainer.close()
     with open(f"{spec['out']}-r{rank}.json", "w") as f:
         json.dump(dict(seen, final_step=trainer.step), f)
-    torch.distributed.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()
