@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 import bytecheckpoint as bcp
+from bytecheckpoint.adapters.staging import WarmUpMixin, per_call
 
 from . import _compat, _data
 from ._compat import BaseCheckpointManager, filesystem
@@ -34,7 +35,7 @@ _ASYNC_MODES = ("disabled", "async", "async_with_pinned_mem")
 _STEP = re.compile(r"^step-(\d+)$")
 
 
-class ByteCheckpointManager(BaseCheckpointManager):
+class ByteCheckpointManager(WarmUpMixin, BaseCheckpointManager):
     """torchtitan's checkpoint manager on bytecheckpoint (see the module docstring and docs/torchtitan.md).
 
     Saves {"model": the model parts, "optimizer": one torch optimizer per part, "lr_scheduler",
@@ -88,7 +89,6 @@ class ByteCheckpointManager(BaseCheckpointManager):
         self.export_dtype = _compat.TORCH_DTYPE_MAP[config.export_dtype]
         self.sd_adapter = sd_adapter
         self.data_order_report = ""
-        self._steps_seen = 0
         self._async = config.async_mode != "disabled"
         staging = config.async_staging
         if staging is None:
@@ -96,7 +96,9 @@ class ByteCheckpointManager(BaseCheckpointManager):
         self._owns = checkpointer is None
         self._ckpt = checkpointer if checkpointer is not None else bcp.Checkpointer(
             storage_options=config.storage_options, async_save=self._async, async_staging=bool(staging))
-        self._staging = {} if self._owns else {"async_staging": bool(staging)}
+        self._staging = per_call(bool(staging), self._owns)
+        if self._async:
+            self._arm_warm_up()  # core's trigger: plan and allocate staging once every optimizer stepped
         log.info("bytecheckpoint: checkpoints are loaded from and saved to %s (async_mode=%s, async staging %s)",
                  self.folder, config.async_mode, "on" if staging else "off")
 
@@ -174,15 +176,19 @@ class ByteCheckpointManager(BaseCheckpointManager):
 
     def _maybe_wait_for_staging(self) -> None:
         """Nothing to wait for: with async staging bytecheckpoint's fence holds the optimizer step
-        itself until its copy landed (no double wait); without it save() returned after the copy.
+        itself until its copy landed (no double wait); without it save() returned after the copy."""
 
-        torchtitan calls this on every rank before every optimizer step; before the second one the
-        state exists in full (the first step made Adam's moments), so an async manager warms up
-        there: plans the state and allocates its staging buffers on a background thread, and the
-        first async save stalls only for its copy."""
-        self._steps_seen += 1
-        if self._async and self._steps_seen == 2 and not self._ckpt.closed:
-            self._ckpt.warm_up(self._full_state(), background=True)
+    # the automatic staging warm-up (bytecheckpoint.adapters.staging.WarmUpMixin): after the first
+    # step of every part's optimizer, every rank plans its own share of the full state (collective)
+    @property
+    def active(self) -> bool:
+        return bool(getattr(self, "enable", False)) and not self._ckpt.closed
+
+    def _warm_up_optimizers(self) -> list:
+        return self._optimizer_list()
+
+    def _warm_up_plan(self):
+        return True, self._full_state
 
     def _wait_for_saving(self) -> None:
         """Every pending save has committed (or its error is raised here); retention catches up

@@ -92,6 +92,8 @@ def test_manager_saves_and_resumes_with_torchtitan_classes(tmp_path, data_dir, m
     losses = {}
     for step in range(1, 7):
         losses[step] = _step(a[0], a[1], a[2], batches, a[4], manager)
+        # async: staging planned and allocated in the background after the first optimizer step
+        assert (manager.warm_up_started is not None) == (mode != "disabled")
         assert manager.save(step, last_step=False) == (step % 2 == 0)
     manager.maybe_wait_for_saving()
     assert manager.save_future is None
