@@ -24,7 +24,7 @@ import torch.distributed as dist
 import bytecheckpoint as bcp
 from bytecheckpoint.adapters.staging import WarmUpMixin, per_call
 
-from . import _compat, _data
+from . import _compat, _data, _hf
 from ._compat import BaseCheckpointManager, filesystem
 
 log = logging.getLogger("torchtitan_bytecheckpoint")
@@ -65,12 +65,9 @@ class ByteCheckpointManager(WarmUpMixin, BaseCheckpointManager):
             if mode not in _ASYNC_MODES:
                 raise ValueError(f"Invalid async_mode: {self.async_mode!r}; one of {_ASYNC_MODES}")
             self.async_mode = mode
-            if self.last_save_in_hf:
-                raise ValueError("ByteCheckpointManager: last_save_in_hf is not supported yet; save the last step "
-                                 "model-only and run `bytecheckpoint export <folder>/step-<N> OUT --to safetensors`")
-            if self.initial_load_in_hf:
-                raise ValueError("ByteCheckpointManager: initial_load_in_hf is not supported yet; run `bytecheckpoint "
-                                 "import HF_DIR OUT` once and set initial_load_path=OUT (initial_load_model_only)")
+            if self.initial_load_in_hf_quantized:
+                raise ValueError("ByteCheckpointManager: initial_load_in_hf_quantized is not supported; load "
+                                 "quantized Hugging Face checkpoints with torchtitan's CheckpointManager")
 
     def __init__(self, config: Config, *, dataloader: Any, model_parts: list, optimizers: Any, lr_schedulers: Any,
                  states: Dict[str, Any], sd_adapter: Any = None, base_folder: str = "",
@@ -88,6 +85,9 @@ class ByteCheckpointManager(WarmUpMixin, BaseCheckpointManager):
         self.states.update({DATALOADER: dataloader, LR_SCHEDULER: lr_schedulers})
         self.export_dtype = _compat.TORCH_DTYPE_MAP[config.export_dtype]
         self.sd_adapter = sd_adapter
+        if (config.last_save_in_hf or config.initial_load_in_hf) and sd_adapter is None:
+            raise ValueError("checkpoint.last_save_in_hf / initial_load_in_hf need the model's state dict adapter "
+                             "(its ModelSpec.state_dict_adapter), and sd_adapter is not provided.")
         self.data_order_report = ""
         self._async = config.async_mode != "disabled"
         staging = config.async_staging
@@ -152,7 +152,9 @@ class ByteCheckpointManager(WarmUpMixin, BaseCheckpointManager):
             return False
         begin = time.monotonic()
         path = self._path(curr_step)
-        if last_step and self.config.last_save_model_only:
+        if last_step and self.config.last_save_in_hf:
+            _hf.save_last(self._ckpt, path, self._model_only_state(), self.sd_adapter)
+        elif last_step and self.config.last_save_model_only:
             log.info("bytecheckpoint: saving a model-only checkpoint in %s at the last step, step %d",
                      self.export_dtype, curr_step)
             self._ckpt.save(path, self._model_only_state(), async_save=False, step=curr_step)
@@ -220,7 +222,8 @@ class ByteCheckpointManager(WarmUpMixin, BaseCheckpointManager):
         if "://" not in self.folder and os.path.isdir(self.folder):
             for name in sorted(os.listdir(self.folder)):
                 match = _STEP.match(name)
-                if match and (step is None or int(match.group(1)) > step):
+                hf = os.path.exists(os.path.join(self.folder, name, "model.safetensors"))  # last_save_in_hf
+                if match and not hf and (step is None or int(match.group(1)) > step):
                     log.warning("bytecheckpoint: %s is not a committed checkpoint (a save that did not finish); "
                                 "skipped", os.path.join(self.folder, name))
         return step
@@ -236,6 +239,15 @@ class ByteCheckpointManager(WarmUpMixin, BaseCheckpointManager):
             step = -1 if step is None else step
             path = self._path(step)
         if step == -1:
+            if self.config.initial_load_in_hf:
+                hf_dir = self.config.initial_load_path or getattr(self.sd_adapter, "hf_assets_path", None)
+                if not hf_dir or not os.path.isdir(hf_dir):
+                    raise ValueError(f"initial_load_in_hf: no Hugging Face folder at {hf_dir!r} (initial_load_path "
+                                     f"or model.hf_assets_path)")
+                log.info("bytecheckpoint: loading the model from Hugging Face safetensors in %s", hf_dir)
+                os.makedirs(self.folder, exist_ok=True)
+                _hf.load_initial(self._ckpt, hf_dir, self.model_parts, self.sd_adapter, self.folder)
+                return True
             if not self.config.initial_load_path:
                 log.info("bytecheckpoint: no checkpoint in %s, this is a fresh start", self.folder)
                 return False

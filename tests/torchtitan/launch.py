@@ -9,7 +9,7 @@ The processes are tests/launcher.run_ranks' (free port, time limit, every rank k
 fails, the failing rank's output in the error), each running titan_rank.main(spec). Spec keys:
 steps, data_dir, dump (the run's dump_folder), manager ("dcp": torchtitan's, "bcp": ours),
 interval, async_mode, bcp (more ByteCheckpointManager.Config fields), enable, keep_latest_k,
-load_step, exclude, seq_len, local_batch, global_batch, dp_shard, dp_replicate, tp, pp, pp_schedule,
+load_step, exclude, checkpoint (other checkpoint Config fields), seq_len, local_batch, global_batch, dp_shard, dp_replicate, tp, pp, pp_schedule,
 pp_microbatch, pp_layers_per_stage. As a script: `python tests/torchtitan/launch.py N SPEC_JSON`.
 """
 from __future__ import annotations

@@ -178,6 +178,49 @@ def test_last_step_in_export_dtype_keeps_the_model_names(tmp_path, data_dir):
     assert {t.dtype for t in f32} == {"float32"} and {t.dtype for t in bf16} == {"bfloat16"}
 
 
+class PrefixAdapter:
+    """A stand-in for a model's state dict adapter: Hugging Face names are 'hf.' + torchtitan's."""
+
+    hf_assets_path = None
+
+    def to_hf(self, sd):
+        return {f"hf.{k}": v for k, v in sd.items()}
+
+    def from_hf(self, sd):
+        return {k[len("hf."):]: v for k, v in sd.items()}
+
+
+def test_last_save_in_hf_and_initial_load_in_hf(tmp_path, data_dir):
+    from safetensors.torch import load_file
+
+    from torchtitan_bytecheckpoint import ByteCheckpointManager
+
+    a = _parts(data_dir, 0)
+    config = ByteCheckpointManager.Config(enable=True, folder="ckpt", last_save_in_hf=True, keep_latest_k=0)
+    manager = config.build(dataloader=a[3], model_parts=[a[0]], optimizers=a[1], lr_schedulers=a[2],
+                                 states={"train_state": a[4]}, sd_adapter=PrefixAdapter(), base_folder=str(tmp_path))
+    assert manager.save(3, last_step=True)
+    manager.close()
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["step-3"]  # the gathering copy is gone
+    hf = load_file(str(tmp_path / "ckpt" / "step-3" / "model.safetensors"))
+    assert sorted(hf) == sorted(f"hf.{k}" for k in a[0].state_dict())
+    for k, v in a[0].state_dict().items():
+        torch.testing.assert_close(hf[f"hf.{k}"], v, rtol=0, atol=0)
+
+    b = _parts(data_dir, 1)
+    start = ByteCheckpointManager.Config(enable=True, folder="other", initial_load_in_hf=True,
+                                         initial_load_path=str(tmp_path / "ckpt" / "step-3"))
+    starter = start.build(dataloader=b[3], model_parts=[b[0]], optimizers=b[1], lr_schedulers=b[2],
+                          states={"train_state": b[4]}, sd_adapter=PrefixAdapter(), base_folder=str(tmp_path))
+    assert starter.load()
+    for x, y in zip(a[0].parameters(), b[0].parameters()):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+    assert not os.listdir(tmp_path / "other")  # the staged copy is gone
+    starter.close()
+    with pytest.raises(ValueError, match="sd_adapter"):
+        _manager(config, tmp_path, *b)
+
+
 def test_config_keeps_torchtitans_fields_and_async_modes():
     from dataclasses import fields
 

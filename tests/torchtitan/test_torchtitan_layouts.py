@@ -71,3 +71,28 @@ def test_fsdp4_to_fsdp2_continues_every_saved_rank_stream(tmp_path, data):
             assert ours[r]["batches"][step] == full[2 * r]["batches"][step] + full[2 * r + 1]["batches"][step]
     for step in (3, 4):
         assert ours[0]["losses"][step] == pytest.approx(full[0]["losses"][step], rel=1e-4)
+
+
+def test_hugging_face_ends_equal_torchtitans_dcp_manager(tmp_path, data):
+    """last_save_in_hf writes the tensors DCP's HuggingFaceStorageWriter writes (llama3's state dict
+    adapter, FSDP2 on 2 processes); a run started from either with initial_load_in_hf trains alike."""
+    import torch
+    from safetensors.torch import load_file
+
+    losses, files = {}, {}
+    for manager in ("bcp", "dcp"):
+        last = dict(last_save_model_only=True, last_save_in_hf=True)
+        launch.run(2, dict(steps=2, data_dir=data, dump=str(tmp_path / f"{manager}_hf"), manager=manager,
+                           interval=2, checkpoint=last), timeout=RUN_S)
+        step = tmp_path / f"{manager}_hf" / "checkpoint" / "step-2"
+        files[manager] = {}
+        for f in sorted(step.glob("*.safetensors")):
+            files[manager].update(load_file(str(f)))
+        first = dict(initial_load_in_hf=True, initial_load_model_only=True, initial_load_path=str(step))
+        rec = launch.run(2, dict(steps=2, data_dir=data, dump=str(tmp_path / f"{manager}_from_hf"), manager=manager,
+                                 interval=2, checkpoint=first), timeout=RUN_S)
+        losses[manager] = rec[0]["losses"]
+    assert sorted(files["bcp"]) == sorted(files["dcp"]) and files["bcp"]
+    for name, tensor in files["dcp"].items():
+        assert torch.equal(files["bcp"][name], tensor), name
+    assert losses["bcp"] == losses["dcp"]

@@ -60,6 +60,7 @@ def build_config(spec: dict):
                   interval=spec.get("interval", 2),
                   last_save_model_only=False, keep_latest_k=spec.get("keep_latest_k", 0),
                   load_step=spec.get("load_step", -1), exclude_from_loading=spec.get("exclude", []))
+    common.update(spec.get("checkpoint", {}))  # any other field of torchtitan's checkpoint Config
     if spec.get("manager", "dcp") == "dcp":
         config.checkpoint = CheckpointManager.Config(async_mode=spec.get("async_mode", "disabled"), **common)
     else:
