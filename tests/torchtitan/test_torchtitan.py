@@ -178,6 +178,26 @@ def test_last_step_in_export_dtype_keeps_the_model_names(tmp_path, data_dir):
     assert {t.dtype for t in f32} == {"float32"} and {t.dtype for t in bf16} == {"bfloat16"}
 
 
+def test_seed_checkpoint_is_loaded_model_only(tmp_path, data_dir):
+    """train.py's create_seed_checkpoint: save(curr_step=0, last_step=True); a run finding step-0
+    loads the model alone (as torchtitan's DCP manager does)."""
+    from torchtitan_bytecheckpoint import ByteCheckpointManager
+
+    a = _parts(data_dir, 0)
+    config = ByteCheckpointManager.Config(enable=True, folder="ckpt", keep_latest_k=0)
+    seed = _manager(config, tmp_path, *a)
+    assert seed.save(curr_step=0, last_step=True)
+    seed.close()
+    b = _parts(data_dir, 1)
+    _step(b[0], b[1], b[2], iter(b[3]), b[4])  # some optimizer state and a step count of its own
+    run = _manager(config, tmp_path, *b)
+    assert run.load()
+    for x, y in zip(a[0].parameters(), b[0].parameters()):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+    assert b[4].step == 1 and b[2].schedulers[0].last_epoch == 1  # model only: the rest is untouched
+    run.close()
+
+
 class PrefixAdapter:
     """A stand-in for a model's state dict adapter: Hugging Face names are 'hf.' + torchtitan's."""
 
