@@ -31,21 +31,27 @@ log = logging.getLogger("torchtitan_bytecheckpoint")
 POSITIONS, LENGTHS, LAYOUT = "positions", "lengths", "layout"
 
 
-def dp_states(dataloader: Any) -> Tuple[int, Dict[int, bytes]]:
-    """(W, {dp rank: its saved position bytes}) of a torchtitan loader (or a resharded one)."""
+def dp_states(dataloader: Any) -> Optional[Tuple[int, Dict[int, bytes]]]:
+    """(W, {dp rank: its saved position bytes}) of a torchtitan ParallelAwareDataloader (or a
+    resumed one); None for a loader whose state_dict() has another form (saved as it is, per rank)."""
+    if not all(hasattr(dataloader, n) for n in ("dp_rank", "dp_world_size", "state_dict")):
+        return None
     sd = dataloader.state_dict()
-    ranks = {int(k[len("dp_rank_"):]): v for k, v in sd.items() if k.startswith("dp_rank_")}
-    return int(sd["world_size"]), ranks
+    if not isinstance(sd, dict) or not isinstance(sd.get("world_size"), int):
+        return None
+    ranks = {int(k[len("dp_rank_"):]): v for k, v in sd.items() if str(k).startswith("dp_rank_")}
+    first = min(ranks, default=0)
+    if (not ranks or sorted(ranks) != list(range(first, first + len(ranks)))
+            or not all(isinstance(v, bytes) for v in ranks.values())):
+        return None
+    return sd["world_size"], ranks
 
 
-def save_state(dataloader: Any, layout: Dict[str, int]) -> Dict[str, Any]:
-    """The `dataloader` entry of a save: this rank's DP rows as shards of the [W, L] byte matrix."""
-    world, ranks = dp_states(dataloader)
+def save_state(positions: Tuple[int, Dict[int, bytes]], layout: Dict[str, int]) -> Dict[str, Any]:
+    """The `dataloader` entry of a save: this rank's DP rows as shards of the [W, L] byte matrix
+    (`positions`: dp_states() of the loader)."""
+    world, ranks = positions
     first, count = min(ranks), len(ranks)
-    if sorted(ranks) != list(range(first, first + count)) or not all(isinstance(v, bytes) for v in ranks.values()):
-        raise TypeError(f"torchtitan_bytecheckpoint: the dataloader's state_dict() holds dp ranks {sorted(ranks)} "
-                        f"as {sorted({type(v).__name__ for v in ranks.values()})}; expected consecutive dp_rank_<j> "
-                        f"entries of bytes (torchtitan's ParallelAwareDataloader)")
     longest = torch.tensor([max(len(v) for v in ranks.values())], dtype=torch.int64)
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(longest, op=dist.ReduceOp.MAX)
@@ -126,7 +132,8 @@ def restore(plan: Plan, dataloader: Any, trainer: Any, layout_now: Dict[str, int
                                        local_batch_size=int(layout["batch"]))
         sub.load_state_dict({f"dp_rank_{j}": raw, "world_size": plan.saved_world})
         subs.append(sub)
-    loader = ResumedDataLoader(subs, int(layout["batches_per_step"]), layout_now["batch"], plan.saved_world)
+    loader = ResumedDataLoader(subs, int(layout["batches_per_step"]), layout_now["batch"], plan.saved_world,
+                               plan.dp_rank, plan.dp_world)
     return loader, (f"data order exact: data-parallel degree {plan.saved_world} -> {plan.dp_world}, this rank "
                     f"continues the streams of saved dp ranks {sorted(saved)}")
 
@@ -135,9 +142,11 @@ class ResumedDataLoader(_compat.BaseDataLoader):
     """The loader of one DP rank that stands for several saved DP ranks: per training step, each
     saved rank's `batches_per_step` batches in rank order, re-cut into batches of `batch`."""
 
-    def __init__(self, subs: Sequence[Any], batches_per_step: int, batch: int, saved_world: int) -> None:
+    def __init__(self, subs: Sequence[Any], batches_per_step: int, batch: int, saved_world: int,
+                 dp_rank: int, dp_world_size: int) -> None:
         self.subs, self.batches_per_step = list(subs), batches_per_step
         self.batch, self.saved_world = batch, saved_world
+        self.dp_rank, self.dp_world_size = dp_rank, dp_world_size  # the DP rank it serves now
 
     def __iter__(self) -> Iterator[Tuple[Dict[str, torch.Tensor], torch.Tensor]]:
         iters = [iter(s) for s in self.subs]

@@ -116,12 +116,13 @@ class ByteCheckpointManager(WarmUpMixin, BaseCheckpointManager):
         for key, value in self.states.items():
             if key in exclude or value is None:
                 continue
-            if key == DATALOADER:
+            positions = _data.dp_states(value) if key == DATALOADER else None
+            if positions is not None:
                 trainer = self.states.get(TRAIN_STATE)
                 layout = _compat.layout(trainer, value) if _compat.is_trainer(trainer) else {}
-                state[key] = _data.save_state(value, layout)
+                state[key] = _data.save_state(positions, layout)
             else:
-                state[key] = value
+                state[key] = value  # a Stateful of another form: its state_dict() per rank
         return state
 
     def _model_only_state(self) -> Dict[str, Any]:
@@ -273,11 +274,11 @@ class ByteCheckpointManager(WarmUpMixin, BaseCheckpointManager):
         state = self._full_state(exclude | {DATALOADER})
         loader, plan = self.states.get(DATALOADER), None
         if loader is not None and DATALOADER not in exclude:
-            dp_rank, dp_world = _compat.dp_coordinates(loader)
-            plan = _data.plan_for(self._ckpt.inspect(path), DATALOADER, dp_rank, dp_world)
-            if plan is not None:
-                state[DATALOADER] = plan.template()
-        self._ckpt.load(path, state, strict=not exclude and plan is not None)
+            if _data.dp_states(loader) is not None:
+                dp_rank, dp_world = _compat.dp_coordinates(loader)
+                plan = _data.plan_for(self._ckpt.inspect(path), DATALOADER, dp_rank, dp_world)
+            state[DATALOADER] = plan.template() if plan is not None else loader
+        self._ckpt.load(path, state, strict=not exclude)
         if plan is None:
             return
         trainer = self.states.get(TRAIN_STATE)

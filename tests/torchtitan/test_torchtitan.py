@@ -198,6 +198,33 @@ def test_seed_checkpoint_is_loaded_model_only(tmp_path, data_dir):
     run.close()
 
 
+class Position:
+    """A dataloader of another form than torchtitan's: saved per rank as its state_dict()."""
+
+    def __init__(self, at=0):
+        self.at = at
+
+    def state_dict(self):
+        return {"at": self.at}
+
+    def load_state_dict(self, sd):
+        self.at = sd["at"]
+
+
+def test_a_dataloader_of_another_form_is_saved_as_it_is(tmp_path, data_dir):
+    from torchtitan_bytecheckpoint import ByteCheckpointManager
+
+    a, b = _parts(data_dir, 0), _parts(data_dir, 1)
+    config = ByteCheckpointManager.Config(enable=True, folder="ckpt", interval=1, keep_latest_k=0)
+    saver = _manager(config, tmp_path, a[0], a[1], a[2], Position(7), a[4])
+    assert saver.save(1)
+    saver.close()
+    here = Position()
+    loader = _manager(config, tmp_path, b[0], b[1], b[2], here, b[4])
+    assert loader.load() and here.at == 7 and loader.data_order_report == ""
+    loader.close()
+
+
 class PrefixAdapter:
     """A stand-in for a model's state dict adapter: Hugging Face names are 'hf.' + torchtitan's."""
 
