@@ -19,8 +19,11 @@ except ImportError:  # pragma: no cover
 class DTensorHandler(Handler):
     """The boxes this rank holds (a rank's part under _StridedShard may be several), loaded in place."""
 
+    def __init__(self) -> None:
+        self.layouts = dtensors.LayoutCache()
+
     def save(self, value, key, walk):
-        shape, layout, pieces = dtensors.dtensor_pieces(key, value)
+        shape, layout, pieces = dtensors.dtensor_pieces(key, value, self.layouts)
         walk.add_tensor(tensor_entry(key, value, shape, layout, pieces, dtensors.dtensor_grid(value)))
         return {"tensor": key}
 
