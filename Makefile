@@ -5,7 +5,7 @@ STAMP  := $(VENV)/.installed
 # torch is pinned to the CPU wheel on this disk; installed first so nothing resolves a CUDA build.
 TORCH  := torch==2.13.0
 
-.PHONY: install test test-faults test-slow demo demo-picture bench clean
+.PHONY: install test test-faults test-slow test-torchtitan demo demo-picture bench clean
 
 install: $(STAMP)
 
@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q $(TORCH) -e '.[dev]'
+	$(PY) -m pip install -q $(TORCH) -e '.[dev,torchtitan]'
 	touch $(STAMP)
 
 test: $(STAMP)
@@ -22,9 +22,15 @@ test: $(STAMP)
 test-faults: $(STAMP)
 	$(PY) -m pytest -q -m faults tests
 
-# more layouts of routes `make test` already covers (transformers.Trainer under FSDP1/FSDP2/DeepSpeed)
+# more layouts of routes `make test` already covers (transformers.Trainer under FSDP1/FSDP2/DeepSpeed,
+# pipeline stages and experts on 4 and 8 processes)
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow tests
+
+# torchtitan's real Trainer on gloo processes with ByteCheckpointManager (~7 min; .ci/run runs it after
+# make test; make test runs the manager's fast tests): docs/torchtitan.md
+test-torchtitan: $(STAMP)
+	$(PY) -m pytest -q --durations=10 -m torchtitan tests/torchtitan
 
 # the demo's table, runs/demo/results.json and runs/demo/demo.png (runs/ is gitignored: the checkout stays clean)
 demo: $(STAMP)
