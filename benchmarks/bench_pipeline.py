@@ -21,7 +21,6 @@ import argparse
 import os
 import shutil
 import socket
-import statistics
 import sys
 import tempfile
 import time
@@ -32,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_real_model import DIM, VOCAB, Block, count_files, process_group, timed  # noqa: E402
+from bench_real_model import DIM, VOCAB, Block, count_files, median, process_group, timed  # noqa: E402
 from figures import figure  # noqa: E402
 
 
@@ -140,6 +139,9 @@ def save_worker(rank: int, world: int, port: int, root: str, blocks: int, repeat
             for k, v in (("bcp_save", t_bcp), ("dcp_save", t_dcp), ("bcp_stall", stall), ("bcp_async_total", total),
                          ("dcp_stall", dstall), ("dcp_async_total", dtotal)):
                 out[k].append(v)
+            if rank == 0 and i == 1:
+                print("bytecheckpoint's files:", sorted(os.path.relpath(os.path.join(d, f), paths["bcp"])
+                                                   for d, _, fs in os.walk(paths["bcp"]) for f in fs), flush=True)
             if rank == 0:
                 out["bcp_files"].append(count_files(paths["bcp"]) / world)
                 out["dcp_files"].append(count_files(paths["dcp"]) / world)
@@ -170,10 +172,6 @@ def resume_worker(rank: int, world: int, port: int, root: str, blocks: int, repe
             del m, o
         if rank == 0:
             torch.save(out, result)
-
-
-def median(xs: List[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
 
 
 def main() -> None:
