@@ -69,7 +69,7 @@ def save(res: SaveResources, target: Target, comm: Comm, state: Dict[str, Any], 
         with rec.span("plan"):
             local, full, save_id, old_data, structure = save_plan.plan(
                 comm, prepared.manifest, res.plans, target.begin, prepared.error, safetensors=safetensors,
-                structure=prepared.flat.structure if prepared.flat is not None else None)
+                structure=prepared.structure)
         rec.op_id = save_id
         data = write.sources(prepared.flat, local.writes)
     except BaseException as exc:
@@ -129,7 +129,7 @@ def warm_up(res: SaveResources, comm: Comm, state: Dict[str, Any], timeout_s: fl
     target = write.WarmUpTarget(timeout_s)
     target.open(comm)
     local, _, _, _, _ = save_plan.plan(comm, prepared.manifest, res.plans, target.begin, prepared.error,
-                                       structure=prepared.flat.structure if prepared.flat is not None else None)
+                                       structure=prepared.structure)
     data = write.sources(prepared.flat, local.writes)
     items = stage.staging_items(local, data)
     if not background:

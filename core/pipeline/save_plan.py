@@ -44,6 +44,11 @@ class Prepared:
     objects_blob: Optional[bytes] = None
     error: Optional[BaseException] = None
 
+    @property
+    def structure(self) -> Any:
+        """The state's nesting (None when preparing failed)."""
+        return self.flat.structure if self.flat is not None else None
+
 
 def prepare(state: Dict[str, Any], registry: TypeRegistry, fsdp1_route: str, on_tensor=None) -> Prepared:
     """Flatten `state` into tensor entries and plain values; `on_tensor(entry)` sees each tensor

@@ -43,7 +43,7 @@ class DictHandler(ContainerHandler):
 
     def load_items(self, value, key, walk, assign):
         for k, v in list(value.items()):
-            walk.load(v, join(key, k), _setitem(value, k))
+            walk.load(v, join(key, k), item_setter(value, k))
 
 
 class ListHandler(ContainerHandler):
@@ -52,7 +52,7 @@ class ListHandler(ContainerHandler):
 
     def load_items(self, value, key, walk, assign):
         for i, v in enumerate(value):
-            walk.load(v, join(key, i), _setitem(value, i))
+            walk.load(v, join(key, i), item_setter(value, i))
 
 
 class TupleHandler(ContainerHandler):
@@ -62,11 +62,11 @@ class TupleHandler(ContainerHandler):
     def load_items(self, value, key, walk, assign):
         items = list(value)
         for i, v in enumerate(items):
-            walk.load(v, join(key, i), _setitem(items, i))
+            walk.load(v, join(key, i), item_setter(items, i))
         walk.flat.finalizers.append(lambda: assign(type(value)(items) if type(value) is tuple else value))
 
 
-def _setitem(container: Any, k: Any) -> Callable[[Any], None]:
+def item_setter(container: Any, k: Any) -> Callable[[Any], None]:
     def assign(v: Any) -> None:
         container[k] = v
     return assign

@@ -14,10 +14,11 @@ Checkpoints saved before this form (`param_groups` a list) load as before (modul
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 from ..common.errors import StateMismatchError
 from ..format import codec
+from .basic import item_setter
 from .flatten import find_subtree, join
 
 STATE, GROUPS = "state", "param_groups"
@@ -59,12 +60,6 @@ def saved_by_name(saved: Any, key: str) -> bool:
     return isinstance(node, dict) and "dict" in node
 
 
-def saved_names(saved: Any, key: str) -> List[str]:
-    """The parameter names whose hyper-parameters the checkpoint holds at `key` (by-name form)."""
-    node = find_subtree(saved, join(key, GROUPS))
-    return [str(codec.decode(k)) for k, _ in node["dict"]] if saved_by_name(saved, key) else []
-
-
 class ByNameLoad:
     """Loading a by-name optimizer into a live one's torch-form state dict `osd` (its state
     tensors loaded in place, plain values assigned); `result()` is `osd` with its groups' saved
@@ -76,11 +71,11 @@ class ByNameLoad:
         if with_state:
             state_key = join(key, STATE)
             for name, value in list(osd[STATE].items()):
-                walk.load(value, join(state_key, name), _assign(osd[STATE], name))
+                walk.load(value, join(state_key, name), item_setter(osd[STATE], name))
         groups_key = join(key, GROUPS)
         for group in osd[GROUPS]:
             for name in group["params"]:
-                walk.registry.plain.load(None, join(groups_key, name), walk, _assign(self.hyper, name))
+                walk.registry.plain.load(None, join(groups_key, name), walk, item_setter(self.hyper, name))
 
     def result(self) -> Dict[str, Any]:
         groups = []
@@ -110,9 +105,3 @@ def group_values(index: int, group: Dict[str, Any], loaded: Dict[str, Any], key:
     if values is None:
         return hyper_parameters(group)
     return dict(values)
-
-
-def _assign(container: Dict[str, Any], name: str) -> Callable[[Any], None]:
-    def assign(v: Any) -> None:
-        container[name] = v
-    return assign

@@ -60,13 +60,10 @@ def _optimizer_parts(value: Any, walk) -> Optional[List[Any]]:
 
 def _merged_state_dict(value: Sequence[nn.Module], key: str) -> Optional[dict]:
     """The parts' state dicts (own names) as one, or None where two parts hold the same name."""
-    merged: dict = {}
-    for i, m in enumerate(value):
-        sd = own_state_dict(m.state_dict(), m, f"model part {i} of {key!r}")
-        if any(k in merged for k in sd):
-            return None
-        merged.update(sd)
-    return merged
+    sds = [own_state_dict(m.state_dict(), m, f"model part {i} of {key!r}") for i, m in enumerate(value)]
+    if not _names_disjoint([list(sd) for sd in sds]):
+        return None
+    return {k: v for sd in sds for k, v in sd.items()}
 
 
 def _live_names_disjoint(value: Sequence[nn.Module]) -> bool:

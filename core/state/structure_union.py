@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from ..common.errors import ShardLayoutError
 from ..format import codec
-from .flatten import join, structure_leaves
+from .flatten import find_subtree, join, structure_leaves
 
 
 @dataclass(frozen=True)
@@ -108,6 +108,5 @@ def _conflict(path: str, rank: int, kind: str, trees: Mapping[int, Any]) -> Shar
 
 
 def _kind_at(tree: Any, path: str) -> Optional[str]:
-    from .flatten import find_subtree
     node = find_subtree(tree, path)
     return _kind(node) if node is not None else None
