@@ -7,6 +7,10 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 import pytest  # noqa: E402
 
+import layout_check  # noqa: E402
+
+layout_check.install()
+
 
 @pytest.fixture(autouse=True)
 def _fresh_accelerate_state():

@@ -134,11 +134,7 @@ class Metadata:
             table = b"".join(np.asarray(packed[k], dtype="<u4").tobytes() + (
                 np.asarray(where[k], dtype="<u4").tobytes() if k in where else b"") for k in self.arrays)
             parts["checksum_table"] = {"path": table_key, "nbytes": len(table), "crc32": zlib.crc32(table)}
-        # each value is serialised once; the checksum is spliced in at its sorted place
-        dumped = {k: json.dumps(v, sort_keys=True, separators=(",", ":")) for k, v in parts.items()}
-        canonical = "{" + ",".join(f"{json.dumps(k)}:{dumped[k]}" for k in sorted(dumped)) + "}"
-        dumped["checksum"] = str(zlib.crc32(canonical.encode()))
-        return ("{" + ",".join(f"{json.dumps(k)}:{dumped[k]}" for k in sorted(dumped)) + "}").encode(), table
+        return assemble({k: json.dumps(v, sort_keys=True, separators=(",", ":")) for k, v in parts.items()}), table
 
     @staticmethod
     def from_json(raw: bytes, where: str = "metadata",
@@ -150,6 +146,14 @@ class Metadata:
         except (ValueError, UnicodeDecodeError, RecursionError) as exc:
             raise MetadataError(f"{where}: not valid JSON ({exc}); the file is damaged") from None
         return _parse(body, where, fetch)
+
+
+def assemble(dumped: Dict[str, str]) -> bytes:
+    """metadata.json from its top-level entries, each already serialised (canonical JSON): the
+    canonical object with a crc32 of everything else spliced in at its sorted place, `checksum`."""
+    canonical = "{" + ",".join(f"{json.dumps(k)}:{dumped[k]}" for k in sorted(dumped)) + "}"
+    dumped = {**dumped, "checksum": str(zlib.crc32(canonical.encode()))}
+    return ("{" + ",".join(f"{json.dumps(k)}:{dumped[k]}" for k in sorted(dumped)) + "}").encode()
 
 
 dtype_itemsize = dtypes.itemsize

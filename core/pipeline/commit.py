@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+import weakref
 from dataclasses import asdict
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -18,7 +19,16 @@ import torch
 
 from ..common.errors import CheckpointError, CheckpointExistsError, PeerTimeoutError
 from ..dist.comm import Comm
-from ..format.metadata import CHECKSUM_TABLE_FILE, FORMAT_VERSION, METADATA_FILE, ArrayMeta, Metadata, ObjectFileMeta
+from ..format.layout_json import LayoutJSON
+from ..format.metadata import (
+    CHECKSUM_TABLE_FILE,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    METADATA_FILE,
+    ArrayMeta,
+    Metadata,
+    ObjectFileMeta,
+)
 from ..monitor import OFF, Recorder
 from ..planning.planner import SavePlan
 from ..storage import Storage
@@ -37,11 +47,10 @@ def write_metadata(store: Storage, full: SavePlan, save_id: str, data_dir: str, 
                    ) -> None:
     """Coordinator: commit if every rank succeeded, else raise naming the failed ranks.
     `before_commit(md)` runs once the data is written, before the commit point."""
-    md = build_metadata(store.url, full, save_id, data_dir, world_size, structure, results, info)
-    if before_commit is not None:
-        before_commit(md)
     table_key = f"{data_dir}/{CHECKSUM_TABLE_FILE}"
-    raw, table = md.to_files(table_key)
+    if before_commit is not None:
+        before_commit(build_metadata(store.url, full, save_id, data_dir, world_size, structure, results, info))
+    raw, table = metadata_files(store.url, full, save_id, data_dir, world_size, structure, results, info, table_key)
     if table is not None:  # large tables beside the data, durable before the commit point names them
         store.put(table_key, table, durable=True)
     if not store.put(METADATA_FILE, raw, if_absent=not overwrite, durable=True):
@@ -52,22 +61,34 @@ def write_metadata(store: Storage, full: SavePlan, save_id: str, data_dir: str, 
         store.delete_prefix(old_data + "/")
 
 
+def metadata_files(url: str, full: SavePlan, save_id: str, data_dir: str, world_size: int, structure: Any,
+                   results: List[RankResult], info: Optional[Dict[str, Any]], table_key: str
+                   ) -> Tuple[bytes, Optional[bytes]]:
+    """(metadata.json, checksum table file or None) of a save whose every rank succeeded, else
+    raise naming the failed ranks. A plan saved before has its layout serialized already
+    (LayoutJSON): only the data directory and the tables are filled in."""
+    checksums, where = _merged(url, results)
+    layout = LAYOUTS.get(full, structure)
+    if layout is not None:
+        packs = sorted({key for locs in where.values() for key, _ in locs.values()})
+        index = {key: i for i, key in enumerate(packs)}
+        rest = {"format": FORMAT_NAME, "save_id": save_id, "world_size": world_size,
+                "objects": [_object_entry(res[0]) for res, _ in results],
+                "info": _info(full, data_dir, info), "packs": packs,
+                "safetensors": {g: sorted(index[k] for k in keys) for g, keys in st_views(full, where).items()}}
+        try:
+            return layout.render(FORMAT_VERSION, data_dir, checksums, where, index, rest, table_key)
+        except (KeyError, ValueError):  # a chunk without its checksums or location: named below
+            pass
+    md = build_metadata(url, full, save_id, data_dir, world_size, structure, results, info)
+    return md.to_files(table_key)
+
+
 def build_metadata(url: str, full: SavePlan, save_id: str, data_dir: str, world_size: int, structure: Any,
                    results: List[RankResult], info: Optional[Dict[str, Any]] = None) -> Metadata:
     """The global metadata of a save whose every rank succeeded; else raise naming the failed ranks.
     `info`: more entries for its info object (e.g. the training step and capture time)."""
-    failed = [(r, err) for r, (_, err) in enumerate(results) if err is not None]
-    if failed:
-        detail = "; ".join(f"rank {r}: {e}" for r, e in failed[:8])
-        raise CheckpointError(f"save to {url!r} failed on {len(failed)} rank(s), nothing was committed "
-                              f"(a previous checkpoint there is intact): {detail}")
-    checksums: Dict[str, Dict[str, Any]] = {}
-    where: Dict[str, Dict[str, Tuple[str, int]]] = {}
-    for res, _ in results:
-        for path, sums in res[1].items():
-            checksums.setdefault(path, {}).update(sums)
-        for path, locs in res[2].items():
-            where.setdefault(path, {}).update(locs)
+    checksums, where = _merged(url, results)
     packs = tuple(sorted({key for locs in where.values() for key, _ in locs.values()}))
     index = {key: i for i, key in enumerate(packs)}
     locations = {path: {name: (index[key], off & 0xFFFFFFFF, off >> 32) for name, (key, off) in locs.items()}
@@ -80,12 +101,66 @@ def build_metadata(url: str, full: SavePlan, save_id: str, data_dir: str, world_
         objects=tuple(res[0] for res, _ in results),
         structure=structure.tree,
         object_owners=dict(structure.object_owners),
-        info={**(info or {}), "data_dir": data_dir, "created_unix": time.time(), "torch": torch.__version__,
-              "bytes_per_rank": list(full.bytes_per_rank)},
+        info=_info(full, data_dir, info),
         packs=packs,
         safetensors={g: tuple(sorted(index[k] for k in keys)) for g, keys in st_views(full, where).items()},
     )
     return md
+
+
+def _merged(url: str, results: List[RankResult]
+            ) -> Tuple[Dict[str, Dict[str, Any]], Dict[str, Dict[str, Tuple[str, int]]]]:
+    """Every rank's ({array: {chunk: block crc32s}}, {array: {chunk: (pack, offset)}}); raises
+    naming the ranks that failed."""
+    failed = [(r, err) for r, (_, err) in enumerate(results) if err is not None]
+    if failed:
+        detail = "; ".join(f"rank {r}: {e}" for r, e in failed[:8])
+        raise CheckpointError(f"save to {url!r} failed on {len(failed)} rank(s), nothing was committed "
+                              f"(a previous checkpoint there is intact): {detail}")
+    if len(results) == 1:
+        return results[0][0][1], results[0][0][2]
+    checksums: Dict[str, Dict[str, Any]] = {}
+    where: Dict[str, Dict[str, Tuple[str, int]]] = {}
+    for res, _ in results:
+        for path, sums in res[1].items():
+            checksums.setdefault(path, {}).update(sums)
+        for path, locs in res[2].items():
+            where.setdefault(path, {}).update(locs)
+    return checksums, where
+
+
+def _info(full: SavePlan, data_dir: str, info: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    return {**(info or {}), "data_dir": data_dir, "created_unix": time.time(), "torch": torch.__version__,
+            "bytes_per_rank": list(full.bytes_per_rank)}
+
+
+def _object_entry(o: ObjectFileMeta) -> Dict[str, Any]:
+    return {"rank": o.rank, "path": o.path, "nbytes": o.nbytes, "crc32": o.crc32}
+
+
+class LayoutCache:
+    """The serialized layout (LayoutJSON) of the last few save plans, by identity: the plan cache
+    hands a repeated save of an unchanged layout the same SavePlan and structure objects."""
+
+    def __init__(self, size: int = 4) -> None:
+        self.size = size
+        self._lock = threading.Lock()
+        self._entries: List[Tuple[Any, Any, Optional[LayoutJSON]]] = []  # (weakref plan, weakref structure, layout)
+
+    def get(self, full: SavePlan, structure: Any) -> Optional[LayoutJSON]:
+        with self._lock:
+            for plan_ref, structure_ref, layout in self._entries:
+                if plan_ref() is full and structure_ref() is structure:
+                    return layout
+        from ..storage.chunks import BLOCK_BYTES
+        layout = LayoutJSON.build(full.tensors, full.arrays, BLOCK_BYTES, structure.tree, structure.object_owners)
+        with self._lock:
+            live = [e for e in self._entries if e[0]() is not None and e[1]() is not None]
+            self._entries = live[-(self.size - 1):] + [(weakref.ref(full), weakref.ref(structure), layout)]
+        return layout
+
+
+LAYOUTS = LayoutCache()
 
 
 def rooted(a: ArrayMeta, data_dir: str, checksums: Optional[Dict[str, Any]] = None,
