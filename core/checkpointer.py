@@ -13,6 +13,7 @@ a default instance built from the environment (see common/options.py).
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import pickle
@@ -22,6 +23,7 @@ from collections import OrderedDict
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from .catalog import inspect as inspection
+from .common import collector
 from .common.errors import CheckpointerClosedError, CheckpointError
 from .common.options import Options
 from .dist import zero_redundancy
@@ -160,9 +162,10 @@ class Checkpointer:
                                       self.options.timeout_s, self.options.dead_peer_s, rec, before_commit)
         else:
             raise CheckpointError(f"save: tier must be 'persistent' or 'local', got {tier!r}")
-        handle = saving.save(self._save_resources(), target, comm, state, background=background, path=str(path),
-                             info=info, t0=t0, rec=rec, safetensors=groups, optimizers=optimizers,
-                             async_staging=async_staging)
+        with collector.paused():
+            handle = saving.save(self._save_resources(), target, comm, state, background=background, path=str(path),
+                                 info=info, t0=t0, rec=rec, safetensors=groups, optimizers=optimizers,
+                                 async_staging=async_staging)
         self.last_save_stats = handle.stats
         return handle
 
@@ -198,12 +201,13 @@ class Checkpointer:
             raise CheckpointError(f"load: tier must be 'persistent' or 'local', got {tier!r}")
         store = self.storage(path, storage_options)
         gate.drain_every(self.options.timeout_s)  # every engine's pending copies land before the live tensors change
-        md, stats = self._open_load(comm, store, path, arrive=True)
-        shared = zero_redundancy.plan_shared if self._share(comm, store) else zero_redundancy.no_sharing
-        with stats.finishing(store, md, self.options.record_stats == "all"), Workers(self.options.threads) as workers:
-            loader.load(comm, store, workers, md, state, strict=strict, allow_pickle=allow_pickle, shared=shared,
-                        stats=stats, registry=self.registry, fsdp1_route=self.options.fsdp1_route,
-                        slabs=self._load_slabs())
+        with collector.paused():
+            md, stats = self._open_load(comm, store, path, arrive=True)
+            shared = self._sharing(comm, store)
+            with stats.finishing(store, md, self.options.record_stats == "all"), Workers(self.options.threads) as workers:
+                loader.load(comm, store, workers, md, state, strict=strict, allow_pickle=allow_pickle, shared=shared,
+                            stats=stats, registry=self.registry, fsdp1_route=self.options.fsdp1_route,
+                            slabs=self._load_slabs())
         self.last_load_stats = stats
         return state
 
@@ -439,19 +443,21 @@ class Checkpointer:
             self._metadata.popitem(last=False)
         return md
 
-    def _share(self, comm: Comm, store: Storage) -> bool:
-        """Zero-redundancy load, by policy: where shared reads pay (remote or shared storage,
-        several hosts, NCCL), not for ranks of one host re-reading a local page cache."""
+    def _sharing(self, comm: Comm, store: Storage):
+        """The zero-redundancy planner of a load, by policy: shared reads where they pay (remote or
+        shared storage, several hosts, NCCL), not for ranks of one host re-reading a local page
+        cache. True shares every chunk 2+ ranks need whole, "auto" those big enough to pay for their
+        broadcast (zero_redundancy.SHARE_MIN_BYTES)."""
         mode = self.options.zero_redundancy
-        if not comm.enabled or comm.world_size == 1:
-            return False
-        if mode in (True, False):
-            return bool(mode)
-        if store.scheme != "file" or comm.backend == "nccl":
-            return True
-        if comm.key not in self._hosts:
-            self._hosts[comm.key] = comm.hosts()
-        return len(set(self._hosts[comm.key])) > 1
+        if not comm.enabled or comm.world_size == 1 or mode is False:
+            return zero_redundancy.no_sharing
+        if mode is not True and store.scheme == "file" and comm.backend != "nccl":
+            if comm.key not in self._hosts:
+                self._hosts[comm.key] = comm.hosts()
+            if len(set(self._hosts[comm.key])) == 1:
+                return zero_redundancy.no_sharing
+        return functools.partial(zero_redundancy.plan_shared,
+                                 min_bytes=0 if mode is True else zero_redundancy.SHARE_MIN_BYTES)
 
     def _check_open(self) -> None:
         if self._closed:
