@@ -181,22 +181,28 @@ def expect(cond: bool, where: str, msg: str) -> None:
         raise fail(where, msg)
 
 
+# The checks below run ~10 times per tensor on every load: their messages are formatted only on failure.
+
 def check_int(v: Any, where: str, lo: int = 0, hi: int = MAX_ELEMENTS) -> int:
-    expect(isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi, where,
-            f"expected an integer in [{lo}, {hi}], got {v!r:.80}")
+    if type(v) is not int or not lo <= v <= hi:  # bool is not an int here
+        raise fail(where, f"expected an integer in [{lo}, {hi}], got {v!r:.80}")
     return v
 
 
 def check_ints(v: Any, where: str, ndim: Optional[int] = None) -> Tuple[int, ...]:
-    expect(isinstance(v, list) and len(v) <= MAX_NDIM, where, f"expected a list of integers, got {v!r:.80}")
-    if ndim is not None:
-        expect(len(v) == ndim, where, f"expected {ndim} dimensions, got {len(v)}")
-    return tuple(check_int(x, where) for x in v)
+    if not isinstance(v, list) or len(v) > MAX_NDIM:
+        raise fail(where, f"expected a list of integers, got {v!r:.80}")
+    if ndim is not None and len(v) != ndim:
+        raise fail(where, f"expected {ndim} dimensions, got {len(v)}")
+    for x in v:
+        if type(x) is not int or not 0 <= x <= MAX_ELEMENTS:
+            check_int(x, where)
+    return tuple(v)
 
 
 def safe_relative_path(p: Any, where: str) -> str:
     """Refuse absolute paths, '..', and odd characters in stored paths."""
-    expect(isinstance(p, str) and 0 < len(p) < 1024 and _SAFE_PATH.match(p) is not None, where,
-            f"unsafe path {p!r:.80}")
-    expect(all(part not in (".", "..") for part in p.split("/")), where, f"unsafe path {p!r:.80}")
+    if not (isinstance(p, str) and 0 < len(p) < 1024 and _SAFE_PATH.match(p) is not None) or \
+            any(part in (".", "..") for part in p.split("/")):
+        raise fail(where, f"unsafe path {p!r:.80}")
     return p
