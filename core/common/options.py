@@ -65,8 +65,9 @@ class Options:
     # for its own (docs/async_staging.md): "auto" (for CUDA tensors), True (CPU tensors too), False.
     async_staging: Union[str, bool] = "auto"
     # Pack files on local file systems written with O_DIRECT (no page-cache copy, same bytes):
-    # "auto" (an async save's, where the file system takes it, else buffered; a sync save's stay in
-    # the page cache for a load that follows), True (every save's; an error where refused), False.
+    # "auto" (an async save's, where the file system takes it, else buffered; a sync save's the way
+    # measured faster there, counting the read-back of a load that follows: storage/write_paths.py),
+    # True (every save's; an error where refused), False.
     direct_io: Union[str, bool] = "auto"
 
     def __post_init__(self) -> None:

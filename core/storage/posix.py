@@ -16,8 +16,10 @@ also waits for every other process's dirty data on that file system: docs/result
 Files of DATASYNC_BYTES or more that an async save's job writes are written with O_DIRECT (direct_io
 "auto", the default; True: every save's): no copy into the page cache, no dirty pages for the kernel
 to flush on the training's cores (docs/async_staging.md: 2.6 CPU-s/GiB buffered vs ~0.2 here). A
-sync save blocks training anyway: its files stay buffered, in the page cache for a load that follows
-(measured: a resume right after a save reads 3-4x slower after O_DIRECT writes). Requests are whole 4 KiB pages
+sync save blocks training anyway: its files go the way measured faster on this file system, write
+plus read-back (storage/write_paths.py): buffered, in the page cache for a load that follows
+(measured: a resume right after a save reads 3-4x slower after O_DIRECT writes), unless O_DIRECT
+writes more than twice as fast there. Requests are whole 4 KiB pages
 from page-aligned memory: page-aligned parts go straight from their buffer, the rest through a
 small aligned bounce buffer; the last page is padded and the file cut to its size, so the bytes are
 exactly the buffered path's. A file system that refuses O_DIRECT (tmpfs, some FUSE) is remembered
@@ -30,14 +32,15 @@ import logging
 import os
 import shutil
 import threading
+import time
 import uuid
 from typing import Any, List, Optional, Sequence, Tuple
-
-import numpy as np
 
 import torch
 
 from ..common.errors import CheckpointError, CorruptCheckpointError
+from . import write_paths
+from .direct_writer import _REFUSED, BOUNCE_BYTES, PAGE, _DirectWriter, _Refused  # noqa: F401 - PAGE, BOUNCE_BYTES: tests
 from .base import Done, Request, Storage, Version, check_key_inside
 from .errors import classify_os_error
 
@@ -54,11 +57,6 @@ _IOV_MAX = 512
 DATASYNC_BYTES = 1 << 20
 # sync() fsyncs up to this many small files / new directories one by one, else one syncfs.
 MAX_SINGLE_SYNCS = 256
-# O_DIRECT: request unit (covers 512-byte and 4 KiB logical blocks), request size, bounce buffer.
-PAGE = 4096
-DIRECT_REQUEST_BYTES = 32 << 20
-BOUNCE_BYTES = 8 << 20
-_REFUSED = {errno.EINVAL, errno.EOPNOTSUPP, getattr(errno, "ENOTSUP", errno.EOPNOTSUPP)}
 
 log = logging.getLogger("bytecheckpoint")
 
@@ -91,6 +89,7 @@ class PosixStorage(Storage):
         self._made_dirs: set = set()
         self._dirs_lock = threading.Lock()
         self._unsynced: set = set()  # small files and new directories written since the last sync()
+        self.paths = write_paths.for_root(root)  # measured buffered vs O_DIRECT writes of its file system
 
     def _path(self, key: str) -> str:
         return os.path.join(self.root, *key.split("/"))
@@ -142,11 +141,14 @@ class PosixStorage(Storage):
         the module docstring); such a file is fdatasync'ed now, a smaller one by sync()."""
         path = self._path(key)
         views = [v for v in (memoryview(p).cast("B") for p in parts) if len(v)]  # bytes, whatever the format
-        direct = self._direct_ok is not False and (background or self.direct_io is True)
-        if direct and sum(len(v) for v in views) >= DATASYNC_BYTES:
+        nbytes = sum(len(v) for v in views)
+        t0 = time.perf_counter()
+        if nbytes >= DATASYNC_BYTES and self._direct_ok is not False and (
+                background or self.direct_io is True or (self.direct_io == "auto" and self.paths.direct_for_sync())):
             try:
                 self._write_direct(path, views)
                 self._direct_ok = True
+                self.paths.record(True, nbytes, time.perf_counter() - t0)
                 return Done()
             except _Refused as exc:
                 if self.direct_io is True:
@@ -167,6 +169,7 @@ class PosixStorage(Storage):
                     _consume(bufs, n)
                 if total >= DATASYNC_BYTES:
                     os.fdatasync(fd)
+                    self.paths.record(False, total, time.perf_counter() - t0)
                     return Done()
         except OSError as exc:
             return Done(error=exc)
@@ -400,79 +403,6 @@ class PosixStorage(Storage):
             raise classify_os_error(exc, f"flushing {self.url!r} to disk", self.url) from exc
         finally:
             os.close(fd)
-
-
-class _Refused(Exception):
-    """The file system does not take O_DIRECT (here, or for these requests)."""
-
-
-_BOUNCES: List[np.ndarray] = []
-_BOUNCE_LOCK = threading.Lock()
-
-
-def _address(v: memoryview) -> int:
-    return np.frombuffer(v, dtype=np.uint8).ctypes.data
-
-
-class _DirectWriter:
-    """Writes one file with O_DIRECT: whole, page-aligned requests at page-aligned offsets."""
-
-    def __init__(self, fd: int):
-        self.fd, self.pos, self.size, self.fill = fd, 0, 0, 0
-        with _BOUNCE_LOCK:
-            raw = _BOUNCES.pop() if _BOUNCES else None
-        if raw is None:
-            raw = np.empty(BOUNCE_BYTES + PAGE, dtype=np.uint8)
-        self._raw = raw
-        start = (-raw.ctypes.data) % PAGE
-        self.bounce = raw[start:start + BOUNCE_BYTES]
-        self._bounce_at = self.bounce.ctypes.data
-        self._bounce_mv = memoryview(self.bounce)
-
-    def add(self, v: memoryview) -> None:
-        n, off = len(v), 0
-        self.size += n
-        addr = _address(v)
-        while off < n:
-            if self.fill == 0 and (addr + off) % PAGE == 0 and n - off >= PAGE:  # straight from the buffer
-                k = (n - off) // PAGE * PAGE
-                self._write(v[off:off + k])
-                off += k
-                continue
-            take = min(n - off, BOUNCE_BYTES - self.fill)
-            ctypes.memmove(self._bounce_at + self.fill, addr + off, take)
-            self.fill += take
-            off += take
-            if self.fill == BOUNCE_BYTES:
-                self._flush()
-
-    def finish(self) -> None:
-        if self.fill:
-            pad = -self.fill % PAGE
-            ctypes.memset(self._bounce_at + self.fill, 0, pad)
-            self.fill += pad
-            self._flush()
-        os.ftruncate(self.fd, self.size)  # the padding of the last page goes
-        os.fdatasync(self.fd)
-
-    def _flush(self) -> None:
-        self._write(self._bounce_mv[:self.fill])
-        self.fill = 0
-
-    def _write(self, mv: memoryview) -> None:
-        done = 0
-        while done < len(mv):
-            n = os.pwrite(self.fd, mv[done:done + DIRECT_REQUEST_BYTES], self.pos)
-            if n <= 0 or n % PAGE:
-                raise OSError(errno.EIO, f"short O_DIRECT write ({n} bytes)")
-            done += n
-            self.pos += n
-
-    def release(self) -> None:
-        self._bounce_mv.release()
-        with _BOUNCE_LOCK:
-            if len(_BOUNCES) < 8:
-                _BOUNCES.append(self._raw)
 
 
 def fsync_path(path: str, gone=(FileNotFoundError, NotADirectoryError)) -> None:

@@ -615,7 +615,8 @@ def test_checkpoint_files_are_the_same_with_and_without_direct_io(tmp_path, monk
 def test_auto_bypasses_the_page_cache_for_async_saves_only(tmp_path, monkeypatch):
     """direct_io="auto": an async save's packs are written with O_DIRECT (its background write competes
     with training for the CPU); a sync save's stay in the page cache, for a load that follows (a resume
-    right after a save read 3-4x slower from disk: benchmarks/bench_real_model.py)."""
+    right after a save read 3-4x slower from disk: benchmarks/bench_real_model.py), until measurements
+    say O_DIRECT is the faster sum there (tests/unit/test_write_paths.py)."""
     if not _takes_o_direct(tmp_path):
         pytest.skip("this file system refuses O_DIRECT")
     direct = direct_writes(monkeypatch)
