@@ -94,7 +94,8 @@ class LayoutJSON:
             fixed["object_owners"] = _dumps(dict(object_owners))
         index = {p: i for i, p in enumerate(order)}
         in_json = sorted(order)  # the order json.dumps writes them (one shared prefix: the data directory)
-        queues = {"2": [index[p] for p in in_json], "3": [index[p] for p in in_json if located[index[p]]]}
+        queues = {"2": [], "3": []} if to_file else {  # to_file: offsets into the table file, no slots
+            "2": [index[p] for p in in_json], "3": [index[p] for p in in_json if located[index[p]]]}
         pieces: Dict[str, List[str]] = {}
         slots: Dict[str, List[Tuple[int, int]]] = {}
         for part in ("tensors", "arrays"):

@@ -80,15 +80,16 @@ def metadata_files(url: str, full: SavePlan, save_id: str, data_dir: str, world_
             return layout.render(FORMAT_VERSION, data_dir, checksums, where, index, rest, table_key)
         except (KeyError, ValueError):  # a chunk without its checksums or location: named below
             pass
-    md = build_metadata(url, full, save_id, data_dir, world_size, structure, results, info)
+    md = build_metadata(url, full, save_id, data_dir, world_size, structure, results, info, (checksums, where))
     return md.to_files(table_key)
 
 
 def build_metadata(url: str, full: SavePlan, save_id: str, data_dir: str, world_size: int, structure: Any,
-                   results: List[RankResult], info: Optional[Dict[str, Any]] = None) -> Metadata:
+                   results: List[RankResult], info: Optional[Dict[str, Any]] = None, merged=None) -> Metadata:
     """The global metadata of a save whose every rank succeeded; else raise naming the failed ranks.
-    `info`: more entries for its info object (e.g. the training step and capture time)."""
-    checksums, where = _merged(url, results)
+    `info`: more entries for its info object (e.g. the training step and capture time); `merged`:
+    the results' tables merged already (_merged)."""
+    checksums, where = merged if merged is not None else _merged(url, results)
     packs = tuple(sorted({key for locs in where.values() for key, _ in locs.values()}))
     index = {key: i for i, key in enumerate(packs)}
     locations = {path: {name: (index[key], off & 0xFFFFFFFF, off >> 32) for name, (key, off) in locs.items()}

@@ -41,8 +41,11 @@ def test_repeated_saves_render_from_one_layout(tmp_path, monkeypatch):
     build = layout_json.LayoutJSON.build
     monkeypatch.setattr(layout_json.LayoutJSON, "build", staticmethod(lambda *a: built.append(1) or build(*a)))
     state = _state()
+    rendered = []
+    render = layout_json.LayoutJSON.render
+    monkeypatch.setattr(layout_json.LayoutJSON, "render", lambda *a: rendered.append(1) or render(*a))
     mds = _saved(tmp_path, "a", state)
-    assert len(built) == 1  # one plan, serialized once
+    assert len(built) == 1 and len(rendered) == 3  # one plan, serialized once, every save rendered from it
     assert mds[1]["tensors"].keys() == mds[0]["tensors"].keys()
     assert mds[1]["info"]["data_dir"] != mds[0]["info"]["data_dir"]
     fresh = {"half": torch.zeros(300, 7, dtype=torch.bfloat16), "step": 0}
@@ -53,16 +56,24 @@ def test_repeated_saves_render_from_one_layout(tmp_path, monkeypatch):
 def test_tables_in_their_own_file(tmp_path, monkeypatch):
     """Large tables (4096 ranks' worth) go beside the data: version 4's checksum_table entry."""
     monkeypatch.setattr(metadata, "TABLE_FILE_MIN_BYTES", 64)
+    rendered = []
+    render = layout_json.LayoutJSON.render
+    monkeypatch.setattr(layout_json.LayoutJSON, "render", lambda *a: rendered.append(1) or render(*a))
     mds = _saved(tmp_path, "t", _state())
+    assert len(rendered) == 3  # every save from the layout (layout_check.py compares the bytes)
     assert all("checksum_table" in md for md in mds)
     model = torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.LayerNorm(48), torch.nn.Linear(48, 8))
     bcp.load(str(tmp_path / "t2"), {"model": model}, strict=False)
     assert torch.equal(model[0].weight, _state()["model"][0].weight)
 
 
-def test_safetensors_packs(tmp_path):
+def test_safetensors_packs(tmp_path, monkeypatch):
     model = torch.nn.Linear(16, 4)
+    rendered = []
+    render = layout_json.LayoutJSON.render
+    monkeypatch.setattr(layout_json.LayoutJSON, "render", lambda *a: rendered.append(1) or render(*a))
     mds = _saved(tmp_path, "s", {"model": model, "step": 1}, safetensors=["model"])
+    assert len(rendered) == 3
     assert all(md["version"] == metadata.SAFETENSORS_VERSION and md["safetensors"] for md in mds)
 
 
