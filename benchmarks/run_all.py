@@ -12,7 +12,8 @@ environment variable BCP_BENCH_QUICK=1). Everything else a script prints is show
 kept in benchmarks/out/<name>.log. A script that prints no FIGURE line is still run and listed.
 
 The figures of all scripts are merged into benchmarks/out/figures.json (a run of some scripts
-keeps the others' last figures), the table between the `figures` markers in docs/results.md is
+keeps the others' last figures; without that file, e.g. on a fresh clone, they are read back from
+the table in docs/results.md), the table between the `figures` markers in docs/results.md is
 rewritten (figure, bcp, peer, ratio, target, met/missed), and docs/bench.png draws one bar per
 figure (ratio bcp/peer) with its target.
 """
@@ -78,6 +79,34 @@ def run(name: str, quick: bool) -> Dict[str, Any]:
     print(f"\n({name}: {seconds:.0f} s, exit {rc}, {len(parse(text))} figures)", flush=True)
     return {"script": name, "exit": rc, "seconds": round(seconds), "quick": quick, "figures": parse(text),
             "when": time.strftime("%Y-%m-%d %H:%M")}
+
+
+def from_table(text: str) -> Dict[str, Any]:
+    """The runs of the table in docs/results.md (when benchmarks/out/figures.json is missing, e.g. on a
+    fresh clone): a run of some scripts keeps every other script's last figures (values as printed)."""
+    runs: Dict[str, Any] = {}
+    if BEGIN not in text or END not in text:
+        return runs
+    for line in text[text.index(BEGIN):text.index(END)].splitlines():
+        cells = [c.strip() for c in line.strip()[1:-1].split("|")]
+        if len(cells) != 8 or cells[0] in ("figure", "---") or cells[0].startswith("---"):
+            continue
+        label, bcp, peer, unit, ratio, target, _, where = cells
+        name, quick, ingested = where.split(" ")[0], "(quick)" in where, None
+        if "(from " in where:
+            ingested = os.path.join(ROOT, where.split("(from ", 1)[1].rstrip(")"))
+        run = runs.setdefault(name, {"script": name, "exit": 0, "seconds": None, "quick": quick, "figures": [],
+                                     "when": "", **({"ingested": ingested} if ingested else {})})
+        if label.startswith("(") and "no figures" in label:
+            run["exit"] = int(label.rsplit("exit ", 1)[1].rstrip(")")) if "exit " in label else 0
+            continue
+        cut = label.rfind(" (vs ")
+        figure_name, peer_name = (label[:cut], label[cut + 5:-1]) if cut >= 0 else (label, "")
+        number = lambda x: None if x in ("-", "") else float(x)  # noqa: E731
+        run["figures"].append({"figure": figure_name, "bcp": number(bcp), "peer": number(peer),
+                               "ratio": number(ratio), "target": target, "unit": unit,
+                               "peer_name": "" if peer_name == "peer" else peer_name, "note": ""})
+    return runs
 
 
 def fmt(x: Any) -> str:
@@ -158,6 +187,8 @@ def main(argv=None) -> int:
     if os.path.exists(store):
         with open(store) as f:
             runs = json.load(f)
+    elif os.path.exists(RESULTS):
+        runs = from_table(open(RESULTS).read())
     failed = []
     for name, log in args.ingest:
         with open(log) as f:
