@@ -18,8 +18,8 @@ Files of DATASYNC_BYTES or more that an async save's job writes are written with
 to flush on the training's cores (docs/async_staging.md: 2.6 CPU-s/GiB buffered vs ~0.2 here). A
 sync save blocks training anyway: its files go the way measured faster on this file system, write
 plus read-back (storage/write_paths.py): buffered, in the page cache for a load that follows
-(measured: a resume right after a save reads 3-4x slower after O_DIRECT writes), unless O_DIRECT
-writes more than twice as fast there. Requests are whole 4 KiB pages
+(measured: a resume right after a save reads 3-4x slower after O_DIRECT writes), unless O_DIRECT's
+write and first read measured less than the buffered write there. Requests are whole 4 KiB pages
 from page-aligned memory: page-aligned parts go straight from their buffer, the rest through a
 small aligned bounce buffer; the last page is padded and the file cut to its size, so the bytes are
 exactly the buffered path's. A file system that refuses O_DIRECT (tmpfs, some FUSE) is remembered
@@ -148,7 +148,7 @@ class PosixStorage(Storage):
             try:
                 self._write_direct(path, views)
                 self._direct_ok = True
-                self.paths.record(True, nbytes, time.perf_counter() - t0)
+                self.paths.record(True, nbytes, time.perf_counter() - t0, path)
                 return Done()
             except _Refused as exc:
                 if self.direct_io is True:
@@ -239,9 +239,10 @@ class PosixStorage(Storage):
 
     def read_range_into(self, key: str, start: int, dests: Sequence[memoryview]) -> Request:
         def run() -> Optional[int]:
-            want = sum(len(d) for d in dests)
+            want, path = sum(len(d) for d in dests), self._path(key)
+            cold, t0 = self.paths.is_cold(path), time.perf_counter()  # a first read of an O_DIRECT file
             try:
-                fd = os.open(self._path(key), os.O_RDONLY)
+                fd = os.open(path, os.O_RDONLY)
             except FileNotFoundError:
                 return None
             try:
@@ -256,6 +257,8 @@ class PosixStorage(Storage):
                 os.close(fd)
             if got != want:
                 raise CorruptCheckpointError(f"{self.where(key)} is shorter than expected; the checkpoint is damaged")
+            if cold:
+                self.paths.read_back(path, got, time.perf_counter() - t0)
             return got
         return _LazyRead(run)
 

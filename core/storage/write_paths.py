@@ -2,28 +2,28 @@
 
 Two ways: buffered (writev into the page cache, then fdatasync) or O_DIRECT (straight from the
 tensors' memory to the device). Which is faster depends on the machine: on this project's VM
-O_DIRECT saves were 0.20-0.41 s against 0.22-0.32 s buffered for the same 405 MiB, elsewhere
-O_DIRECT wrote at twice the buffered rate. A sync save is also often followed by a load (a resume,
-an evaluation) that finds buffered files in the page cache and O_DIRECT ones only on the device.
-So the cost of a way is its write time plus the time to read the bytes back: ~0 for buffered,
-for O_DIRECT taken to be its own write time (a device reads about as fast as it writes directly).
-The sync save takes O_DIRECT only when that sum is smaller: when it writes more than twice as fast.
+O_DIRECT saves took 0.20-0.41 s against 0.22-0.32 s buffered for the same 405 MiB, on the machine
+of issue 40 O_DIRECT wrote at twice the buffered rate. A sync save is also often followed by a load
+(a resume, an evaluation) that finds buffered files in the page cache and O_DIRECT ones only on the
+device. So the cost of a way is its write time plus the time to read the bytes back: ~0 for
+buffered; for O_DIRECT the measured time of the first read of files written that way (until one
+is measured, taken to be its write time). A sync save writes O_DIRECT only where that sum is smaller.
 
-Each file system (st_dev) keeps the seconds per byte of its last big writes each way: async
-saves' O_DIRECT files and sync saves' buffered ones are measured anyway. A process that only ever
-saves synchronously probes once: after two buffered samples, one big file of a save goes O_DIRECT.
+Each file system (st_dev) keeps the seconds per byte of its last big writes each way and of the
+first reads of O_DIRECT-written files. O_DIRECT samples come from async saves (their packs are
+written that way anyway) or direct_io=True; a process that only saves synchronously, buffered,
+never tries O_DIRECT on its own (what a probe costs, a cold load, is what this module avoids).
 """
 from __future__ import annotations
 
 import os
 import statistics
 import threading
-from collections import deque
+from collections import OrderedDict, deque
 from typing import Deque, Dict, Optional
 
 SAMPLES = 5                 # per way: the median of the last few writes
-PROBE_AFTER = 2             # buffered samples before the one O_DIRECT probe
-READ_BACK = 2.0             # O_DIRECT's cost factor: its write, then the read from the device
+COLD_FILES = 256            # O_DIRECT-written files whose first read is still to be measured
 
 
 class WritePaths:
@@ -31,32 +31,46 @@ class WritePaths:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._samples: Dict[str, Deque[float]] = {"buffered": deque(maxlen=SAMPLES), "direct": deque(maxlen=SAMPLES)}
-        self._probing = False
+        self._samples: Dict[str, Deque[float]] = {k: deque(maxlen=SAMPLES) for k in ("buffered", "direct", "read_back")}
+        self._cold: "OrderedDict[str, int]" = OrderedDict()  # O_DIRECT file -> bytes not read back yet
 
-    def record(self, direct: bool, nbytes: int, seconds: float) -> None:
+    def record(self, direct: bool, nbytes: int, seconds: float, path: Optional[str] = None) -> None:
+        """A big file written; `path` (O_DIRECT): its first read is measured too (is_cold/read_back)."""
         if nbytes <= 0 or seconds <= 0:
             return
         with self._lock:
             self._samples["direct" if direct else "buffered"].append(seconds / nbytes)
-            if direct:
-                self._probing = False
+            if direct and path is not None:
+                self._cold[path] = nbytes
+                while len(self._cold) > COLD_FILES:
+                    self._cold.popitem(last=False)
+
+    def is_cold(self, path: str) -> bool:
+        return path in self._cold  # a racy read is fine: a missed or extra sample
+
+    def read_back(self, path: str, nbytes: int, seconds: float) -> None:
+        """A read of an O_DIRECT-written file before all of it was read once (from the device)."""
+        with self._lock:
+            left = self._cold.get(path)
+            if left is None or nbytes <= 0 or seconds <= 0:
+                return
+            self._samples["read_back"].append(seconds / nbytes)
+            if left - nbytes <= 0:
+                del self._cold[path]
+            else:
+                self._cold[path] = left - nbytes
 
     def direct_for_sync(self) -> bool:
-        """Whether the next big file of a sync save goes O_DIRECT (the probe, or it is the faster sum)."""
+        """Whether a sync save's big file goes O_DIRECT: write + read-back measured smaller."""
         with self._lock:
-            buffered, direct = self._samples["buffered"], self._samples["direct"]
-            if not direct:
-                if len(buffered) >= PROBE_AFTER and not self._probing:
-                    self._probing = True  # one file only, until its sample is in
-                    return True
+            buffered, direct, back = (self._samples[k] for k in ("buffered", "direct", "read_back"))
+            if not buffered or not direct:
                 return False
-            if not buffered:
-                return False
-            return READ_BACK * statistics.median(direct) < statistics.median(buffered)
+            d = statistics.median(direct)
+            return d + (statistics.median(back) if back else d) < statistics.median(buffered)
 
     def rates(self) -> Dict[str, Optional[float]]:
-        """MB/s each way (median of the samples), for reports and tests."""
+        """MB/s each way and of the read-back (median of the samples), for reports and tests."""
         with self._lock:
             return {k: (1e-6 / statistics.median(v) if v else None) for k, v in self._samples.items()}
 

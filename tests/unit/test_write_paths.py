@@ -1,6 +1,6 @@
 """A sync save's big files go the way measured faster on their file system, write plus read-back
-(storage/write_paths.py, issue 40): buffered unless O_DIRECT writes more than twice as fast; one
-probe when nothing measured O_DIRECT yet."""
+(storage/write_paths.py, issue 40): buffered unless O_DIRECT's write and first read measured less
+than the buffered write; never O_DIRECT on its own in a process that only saves synchronously."""
 from __future__ import annotations
 
 import os
@@ -8,24 +8,22 @@ import os
 import pytest
 import torch
 
+import bytecheckpoint as bcp
 from bytecheckpoint.storage import posix
 from bytecheckpoint.storage.write_paths import WritePaths
 
 MiB = 1 << 20
 
 
-def test_buffered_until_two_samples_then_one_probe():
+def test_buffered_until_o_direct_was_measured():
     paths = WritePaths()
-    assert not paths.direct_for_sync()
-    paths.record(False, 100 * MiB, 0.1)
-    assert not paths.direct_for_sync()
-    paths.record(False, 100 * MiB, 0.1)
-    assert paths.direct_for_sync()          # the probe
-    assert not paths.direct_for_sync()      # one file only while it runs
+    for _ in range(5):
+        paths.record(False, 100 * MiB, 0.1)
+    assert not paths.direct_for_sync()  # no probe: only async saves or direct_io=True measure O_DIRECT
 
 
 @pytest.mark.parametrize("direct_s, chosen", [(0.04, True), (0.06, False), (0.1, False)])
-def test_direct_only_when_write_plus_read_back_is_smaller(direct_s, chosen):
+def test_unmeasured_read_back_counts_as_long_as_the_write(direct_s, chosen):
     paths = WritePaths()
     for _ in range(3):
         paths.record(False, 100 * MiB, 0.1)
@@ -33,17 +31,45 @@ def test_direct_only_when_write_plus_read_back_is_smaller(direct_s, chosen):
     assert paths.direct_for_sync() is chosen
 
 
-def test_a_posix_store_measures_and_probes(tmp_path):
-    store = posix.PosixStorage(f"file://{tmp_path}", str(tmp_path))
+def test_a_slow_read_back_keeps_sync_saves_buffered():
+    paths = WritePaths()
+    paths.record(False, 100 * MiB, 0.1)
+    paths.record(True, 100 * MiB, 0.02, "/x/pack-0.bin")
+    assert paths.direct_for_sync()
+    assert paths.is_cold("/x/pack-0.bin")
+    paths.read_back("/x/pack-0.bin", 60 * MiB, 0.06)      # 1 ms / MiB from the device: 0.02 + 0.1 > 0.1
+    assert paths.is_cold("/x/pack-0.bin")                 # 40 MiB still to read the first time
+    paths.read_back("/x/pack-0.bin", 40 * MiB, 0.04)
+    assert not paths.is_cold("/x/pack-0.bin") and not paths.direct_for_sync()
+
+
+def test_a_posix_store_measures_writes_and_first_reads(tmp_path):
+    store = posix.PosixStorage(f"file://{tmp_path}", str(tmp_path), direct_io=True)
     data = memoryview(torch.arange(2 * MiB, dtype=torch.uint8).numpy())
-    for i in range(3):
-        store.write_parts(f"p/{i}.bin", [data]).result()
-    rates = store.paths.rates()
-    if not hasattr(os, "O_DIRECT") or store._direct_ok is False:
+    store.write_parts("p/0.bin", [data]).result()
+    if store._direct_ok is False or not hasattr(os, "O_DIRECT"):
         pytest.skip("this file system refuses O_DIRECT")
-    assert rates["buffered"] and rates["direct"], rates   # two buffered writes, then the probe
-    for i in range(3):
-        with open(tmp_path / "p" / f"{i}.bin", "rb") as f:
-            assert f.read() == data.tobytes()
-    small = posix.PosixStorage(f"file://{tmp_path}", str(tmp_path / "q"))
-    assert small.paths is store.paths      # one file system, one set of measurements
+    buffered = posix.PosixStorage(f"file://{tmp_path}", str(tmp_path / "q"))
+    assert buffered.paths is store.paths  # one file system, one set of measurements
+    buffered.write_parts("q/0.bin", [data]).result()
+    out = torch.empty(2 * MiB, dtype=torch.uint8)
+    store.read_range_into("p/0.bin", 0, [memoryview(out.numpy())]).result()
+    rates = store.paths.rates()
+    assert rates["buffered"] and rates["direct"] and rates["read_back"], rates
+    assert bytes(out.numpy()) == data.tobytes()
+
+
+def test_sync_saves_after_async_ones_follow_the_measurement(tmp_path, monkeypatch):
+    """An async save measures O_DIRECT; a later sync save writes that way only when the sum says so."""
+    from bytecheckpoint.storage import write_paths
+    state = {"big": torch.randn(700, 1000)}
+    with bcp.Checkpointer() as c:
+        c.save(tmp_path / "a", state, async_save=True).wait()
+        chosen = []
+        decide = write_paths.WritePaths.direct_for_sync
+        monkeypatch.setattr(write_paths.WritePaths, "direct_for_sync",
+                            lambda self: chosen.append(decide(self)) or chosen[-1])
+        c.save(tmp_path / "s", state)
+        out = {"big": torch.zeros(700, 1000)}
+        c.load(tmp_path / "s", out)
+    assert chosen and torch.equal(out["big"], state["big"])
