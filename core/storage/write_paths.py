@@ -6,8 +6,8 @@ O_DIRECT saves took 0.20-0.41 s against 0.22-0.32 s buffered for the same 405 Mi
 of issue 40 O_DIRECT wrote at twice the buffered rate. A sync save is also often followed by a load
 (a resume, an evaluation) that finds buffered files in the page cache and O_DIRECT ones only on the
 device. So the cost of a way is its write time plus the time to read the bytes back: ~0 for
-buffered; for O_DIRECT the measured time of the first read of files written that way (until one
-is measured, taken to be its write time). A sync save writes O_DIRECT only where that sum is smaller.
+buffered; for O_DIRECT the measured time of the first read of files written that way. A sync save
+writes O_DIRECT only where both are measured and that sum is clearly smaller (direct_for_sync).
 
 Each file system (st_dev) keeps the seconds per byte of its last big writes each way and of the
 first reads of O_DIRECT-written files. O_DIRECT samples come from async saves (their packs are
@@ -23,6 +23,8 @@ from collections import OrderedDict, deque
 from typing import Deque, Dict, Optional
 
 SAMPLES = 5                 # per way: the median of the last few writes
+MIN_SAMPLES = 3             # of each (buffered, O_DIRECT write, O_DIRECT read-back) before choosing O_DIRECT
+MARGIN = 1.25               # O_DIRECT's sum must beat the buffered write by this factor
 COLD_FILES = 256            # O_DIRECT-written files whose first read is still to be measured
 
 
@@ -61,13 +63,15 @@ class WritePaths:
                 self._cold[path] = left - nbytes
 
     def direct_for_sync(self) -> bool:
-        """Whether a sync save's big file goes O_DIRECT: write + read-back measured smaller."""
+        """Whether a sync save's big file goes O_DIRECT: its write + read-back measured (MIN_SAMPLES
+        each, the read-back too: an assumed one chose O_DIRECT for bench_checkpoint, whose load went
+        0.10 -> 0.44 s) and smaller than the buffered write by MARGIN (per-file samples swing 2-8x
+        between saves on this project's VM)."""
         with self._lock:
             buffered, direct, back = (self._samples[k] for k in ("buffered", "direct", "read_back"))
-            if not buffered or not direct:
+            if min(len(buffered), len(direct), len(back)) < MIN_SAMPLES:
                 return False
-            d = statistics.median(direct)
-            return d + (statistics.median(back) if back else d) < statistics.median(buffered)
+            return MARGIN * (statistics.median(direct) + statistics.median(back)) < statistics.median(buffered)
 
     def rates(self) -> Dict[str, Optional[float]]:
         """MB/s each way and of the read-back (median of the samples), for reports and tests."""

@@ -1,6 +1,7 @@
 """A sync save's big files go the way measured faster on their file system, write plus read-back
-(storage/write_paths.py, issue 40): buffered unless O_DIRECT's write and first read measured less
-than the buffered write; never O_DIRECT on its own in a process that only saves synchronously."""
+(storage/write_paths.py, issue 40): buffered unless O_DIRECT's write and first read were measured
+and clearly beat the buffered write; never O_DIRECT on its own in a process that only saves
+synchronously."""
 from __future__ import annotations
 
 import os
@@ -22,24 +23,31 @@ def test_buffered_until_o_direct_was_measured():
     assert not paths.direct_for_sync()  # no probe: only async saves or direct_io=True measure O_DIRECT
 
 
-@pytest.mark.parametrize("direct_s, chosen", [(0.04, True), (0.06, False), (0.1, False)])
-def test_unmeasured_read_back_counts_as_long_as_the_write(direct_s, chosen):
+@pytest.mark.parametrize("direct_s, back_s, chosen", [(0.02, 0.04, True), (0.02, 0.07, False), (0.04, 0.04, False)])
+def test_o_direct_only_when_its_write_and_read_back_beat_buffered(direct_s, back_s, chosen):
     paths = WritePaths()
-    for _ in range(3):
+    for i in range(3):
         paths.record(False, 100 * MiB, 0.1)
-        paths.record(True, 100 * MiB, direct_s)
+        paths.record(True, 100 * MiB, direct_s, f"/x/{i}.bin")
+        assert not paths.direct_for_sync()  # no read-back measured yet: never assumed
+    for i in range(3):
+        paths.read_back(f"/x/{i}.bin", 100 * MiB, back_s)
     assert paths.direct_for_sync() is chosen
 
 
 def test_a_slow_read_back_keeps_sync_saves_buffered():
     paths = WritePaths()
-    paths.record(False, 100 * MiB, 0.1)
-    paths.record(True, 100 * MiB, 0.02, "/x/pack-0.bin")
+    for i in range(3):
+        paths.record(False, 100 * MiB, 0.1)
+        paths.record(True, 100 * MiB, 0.02, f"/x/{i}.bin")
+        paths.read_back(f"/x/{i}.bin", 100 * MiB, 0.02)
     assert paths.direct_for_sync()
+    paths.record(True, 100 * MiB, 0.02, "/x/pack-0.bin")
     assert paths.is_cold("/x/pack-0.bin")
-    paths.read_back("/x/pack-0.bin", 60 * MiB, 0.06)      # 1 ms / MiB from the device: 0.02 + 0.1 > 0.1
-    assert paths.is_cold("/x/pack-0.bin")                 # 40 MiB still to read the first time
-    paths.read_back("/x/pack-0.bin", 40 * MiB, 0.04)
+    for _ in range(2):
+        paths.read_back("/x/pack-0.bin", 40 * MiB, 0.2)   # 5 ms / MiB from the device
+    assert paths.is_cold("/x/pack-0.bin")                 # 20 MiB still to read the first time
+    paths.read_back("/x/pack-0.bin", 20 * MiB, 0.1)
     assert not paths.is_cold("/x/pack-0.bin") and not paths.direct_for_sync()
 
 
