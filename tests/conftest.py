@@ -10,6 +10,7 @@ import pytest  # noqa: E402
 import layout_check  # noqa: E402
 
 layout_check.install()
+os.environ["BCP_LAYOUT_CHECK"] = "1"  # the ranks the tests start check too (launcher_worker.py); benchmarks do not
 
 
 @pytest.fixture(autouse=True)

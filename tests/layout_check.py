@@ -1,7 +1,8 @@
 """Every save the tests make cross-checks its metadata.json: the bytes written from the cached,
 serialized layout (format/layout_json.py) must be exactly those of the general path
 (Metadata.to_files). Installed in the pytest process (conftest.py) and in every rank the launcher
-starts (launcher_worker.py), so single-process, distributed, async and framework saves all check."""
+starts for a test (launcher_worker.py, BCP_LAYOUT_CHECK=1; benchmarks that use the launcher do not
+pay for it), so single-process, distributed, async and framework saves all check."""
 from __future__ import annotations
 
 import dataclasses
