@@ -141,7 +141,8 @@ def _object_entry(o: ObjectFileMeta) -> Dict[str, Any]:
 
 class LayoutCache:
     """The serialized layout (LayoutJSON) of the last few save plans, by identity: the plan cache
-    hands a repeated save of an unchanged layout the same SavePlan and structure objects."""
+    hands a repeated save of an unchanged layout the same SavePlan and structure objects. An entry
+    goes with its plan (a closed Checkpointer's layouts are not kept: 16384 ranks' is ~0.5 GB)."""
 
     def __init__(self, size: int = 4) -> None:
         self.size = size
@@ -157,8 +158,14 @@ class LayoutCache:
         layout = LayoutJSON.build(full.tensors, full.arrays, BLOCK_BYTES, structure.tree, structure.object_owners)
         with self._lock:
             live = [e for e in self._entries if e[0]() is not None and e[1]() is not None]
-            self._entries = live[-(self.size - 1):] + [(weakref.ref(full), weakref.ref(structure), layout)]
+            self._entries = live[-(self.size - 1):] + [(weakref.ref(full, self._drop_dead),
+                                                        weakref.ref(structure, self._drop_dead), layout)]
         return layout
+
+    def _drop_dead(self, _ref: Any) -> None:
+        # no lock: this runs wherever the plan happens to be freed (maybe inside get()); one atomic
+        # rebinding, at worst racing an insert whose entry is then built again
+        self._entries = [e for e in self._entries if e[0]() is not None and e[1]() is not None]
 
 
 LAYOUTS = LayoutCache()

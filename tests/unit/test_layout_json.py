@@ -109,3 +109,14 @@ def test_a_chunk_without_checksums_is_named(tmp_path):
     assert commit.LAYOUTS.get(full, structure) is not None
     with pytest.raises(ValueError, match="no checksum for chunk"):
         commit.metadata_files(url, full, save_id, data_dir, world, structure, broken, info, table_key)
+
+
+def test_a_layout_goes_with_its_plan(tmp_path):
+    import gc
+    ck = bcp.Checkpointer()
+    ck.save(str(tmp_path / "g"), {"w": torch.randn(8, 8)})
+    assert any(e[2] is not None for e in commit.LAYOUTS._entries)
+    ck.close()
+    del ck
+    gc.collect()
+    assert not [e for e in commit.LAYOUTS._entries if e[0]() is None or e[1]() is None]
