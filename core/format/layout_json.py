@@ -16,6 +16,7 @@ import itertools
 import json
 import re
 import zlib
+from collections import deque
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
@@ -94,15 +95,18 @@ class LayoutJSON:
             fixed["object_owners"] = _dumps(dict(object_owners))
         index = {p: i for i, p in enumerate(order)}
         in_json = sorted(order)  # the order json.dumps writes them (one shared prefix: the data directory)
-        queues = {"2": [], "3": []} if to_file else {  # to_file: offsets into the table file, no slots
-            "2": [index[p] for p in in_json], "3": [index[p] for p in in_json if located[index[p]]]}
+        queues = {"1": deque(), "2": deque(), "3": deque()} if to_file else {  # to_file: table offsets, no slots
+            "1": deque(), "2": deque(index[p] for p in in_json),
+            "3": deque(index[p] for p in in_json if located[index[p]])}
         pieces: Dict[str, List[str]] = {}
         slots: Dict[str, List[Tuple[int, int]]] = {}
         for part in ("tensors", "arrays"):
             split = _SLOTS.split(fixed.pop(part))
             pieces[part], slots[part] = split[0::2], []
             for kind in split[1::2]:
-                slots[part].append((int(kind), queues[kind].pop(0) if kind != "1" else -1))
+                if kind != "1" and not queues[kind]:
+                    return None  # a slot the layout did not place: not serializable this way
+                slots[part].append((int(kind), queues[kind].popleft() if kind != "1" else -1))
         if any(queues.values()):
             return None
         return LayoutJSON(fixed, pieces, slots, order, names, blocks, located, to_file)
