@@ -11,7 +11,6 @@ them); a layout this cannot serialize exactly (a marker character inside a key) 
 """
 from __future__ import annotations
 
-import base64
 import itertools
 import json
 import re
@@ -52,8 +51,13 @@ class LayoutJSON:
                  arrays: Sequence[str], names: Sequence[Sequence[str]], blocks: Sequence[int], located: Sequence[bool],
                  to_file: bool):
         self.fixed, self.pieces, self.slots = fixed, pieces, slots
-        self.arrays, self.names, self.blocks, self.located, self.to_file = arrays, names, blocks, located, to_file
-        self.n_chunks = np.array([len(n) for n in names], dtype=np.int64)
+        self.arrays, self.names, self.located, self.to_file = arrays, names, located, to_file
+        n_chunks = np.array([len(n) for n in names], dtype=np.int64)
+        self.blocks = np.repeat(np.asarray(blocks, dtype=np.int64), n_chunks)  # block crc32s of each chunk
+        crc_ends = np.cumsum(n_chunks * np.asarray(blocks, dtype=np.int64)).tolist()
+        at_ends = np.cumsum(3 * n_chunks * np.asarray(located, dtype=np.int64)).tolist()
+        self.crc_spans = list(zip([0] + crc_ends[:-1], crc_ends))  # each array's values in the tables
+        self.at_spans = list(zip([0] + at_ends[:-1], at_ends))
 
     @staticmethod
     def build(tensors: Mapping[str, TensorMeta], arrays: Mapping[str, ArrayMeta], block_bytes: int, structure: Any,
@@ -123,26 +127,22 @@ class LayoutJSON:
         if version == SAFETENSORS_VERSION and not rest.get("safetensors"):
             version = PACKED_VERSION
         values = [sums[p][n] for p, names in zip(self.arrays, self.names) for n in names]
-        expect = np.repeat(np.asarray(self.blocks, dtype=np.int64), self.n_chunks)
-        if len(values) and not np.array_equal(np.fromiter(map(len, values), np.int64, len(values)), expect):
+        if len(values) and not np.array_equal(np.fromiter(map(len, values), np.int64, len(values)), self.blocks):
             raise ValueError("a chunk has another number of block checksums than its size gives")
-        crcs = np.fromiter(itertools.chain.from_iterable(values), dtype="<u4", count=int(expect.sum()))
+        crcs = np.fromiter(itertools.chain.from_iterable(values), dtype="<u4", count=int(self.blocks.sum()))
         at = [locations[p][n] for p, names, on in zip(self.arrays, self.names, self.located) if on for n in names]
         offsets = np.fromiter((o for _, o in at), dtype=np.int64, count=len(at))
         packs = np.fromiter((pack_index[k] for k, _ in at), dtype=np.int64, count=len(at))
         where = np.stack([packs, offsets & 0xFFFFFFFF, offsets >> 32], axis=1).astype("<u4").reshape(-1)
-        crc_ends = np.cumsum(self.n_chunks * np.asarray(self.blocks, dtype=np.int64)).tolist()
-        at_ends = np.cumsum(3 * self.n_chunks * np.asarray(self.located, dtype=np.int64)).tolist()
-        crc_spans = list(zip([0] + crc_ends[:-1], crc_ends))
-        at_spans = list(zip([0] + at_ends[:-1], at_ends))
+        crc_spans, at_spans = self.crc_spans, self.at_spans
         dumped = dict(self.fixed)
         table = None
         if self.to_file:
             table = b"".join(crcs[a:b].tobytes() + where[c:d].tobytes() for (a, b), (c, d) in zip(crc_spans, at_spans))
             rest = {**rest, "checksum_table": {"path": table_key, "nbytes": len(table), "crc32": zlib.crc32(table)}}
         fill = {1: lambda i: data_dir,
-                2: lambda i: base64.b64encode(crcs[crc_spans[i][0]:crc_spans[i][1]].tobytes()).decode("ascii"),
-                3: lambda i: base64.b64encode(where[at_spans[i][0]:at_spans[i][1]].tobytes()).decode("ascii")}
+                2: lambda i: crc.encode(crcs[crc_spans[i][0]:crc_spans[i][1]]),
+                3: lambda i: crc.encode(where[at_spans[i][0]:at_spans[i][1]])}
         for part in ("tensors", "arrays"):
             out = [self.pieces[part][0]]
             for (kind, i), piece in zip(self.slots[part], self.pieces[part][1:]):

@@ -70,12 +70,10 @@ def metadata_files(url: str, full: SavePlan, save_id: str, data_dir: str, world_
     checksums, where = _merged(url, results)
     layout = LAYOUTS.get(full, structure)
     if layout is not None:
-        packs = sorted({key for locs in where.values() for key, _ in locs.values()})
-        index = {key: i for i, key in enumerate(packs)}
+        packs, index, st_packs = _packs(full, where)
         rest = {"format": FORMAT_NAME, "save_id": save_id, "world_size": world_size,
                 "objects": [_object_entry(res[0]) for res, _ in results],
-                "info": _info(full, data_dir, info), "packs": packs,
-                "safetensors": {g: sorted(index[k] for k in keys) for g, keys in st_views(full, where).items()}}
+                "info": _info(full, data_dir, info), "packs": list(packs), "safetensors": st_packs}
         try:
             return layout.render(FORMAT_VERSION, data_dir, checksums, where, index, rest, table_key)
         except (KeyError, ValueError):  # a chunk without its checksums or location: named below
@@ -90,8 +88,7 @@ def build_metadata(url: str, full: SavePlan, save_id: str, data_dir: str, world_
     `info`: more entries for its info object (e.g. the training step and capture time); `merged`:
     the results' tables merged already (_merged)."""
     checksums, where = merged if merged is not None else _merged(url, results)
-    packs = tuple(sorted({key for locs in where.values() for key, _ in locs.values()}))
-    index = {key: i for i, key in enumerate(packs)}
+    packs, index, st_packs = _packs(full, where)
     locations = {path: {name: (index[key], off & 0xFFFFFFFF, off >> 32) for name, (key, off) in locs.items()}
                  for path, locs in where.items()}
     md = Metadata(
@@ -104,9 +101,17 @@ def build_metadata(url: str, full: SavePlan, save_id: str, data_dir: str, world_
         object_owners=dict(structure.object_owners),
         info=_info(full, data_dir, info),
         packs=packs,
-        safetensors={g: tuple(sorted(index[k] for k in keys)) for g, keys in st_views(full, where).items()},
+        safetensors=st_packs,
     )
     return md
+
+
+def _packs(full: SavePlan, where: Dict[str, Dict[str, Tuple[str, int]]]
+           ) -> Tuple[Tuple[str, ...], Dict[str, int], Dict[str, Tuple[int, ...]]]:
+    """The pack files every chunk is in (sorted), their indexes, and each safetensors key path's packs."""
+    packs = tuple(sorted({key for locs in where.values() for key, _ in locs.values()}))
+    index = {key: i for i, key in enumerate(packs)}
+    return packs, index, {g: tuple(sorted(index[k] for k in keys)) for g, keys in st_views(full, where).items()}
 
 
 def _merged(url: str, results: List[RankResult]
