@@ -19,7 +19,6 @@ import os
 import pickle
 import threading
 import time
-from collections import OrderedDict
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from .catalog import inspect as inspection
@@ -28,7 +27,8 @@ from .common.errors import CheckpointerClosedError, CheckpointError
 from .common.options import Options
 from .dist import zero_redundancy
 from .dist.comm import LOCAL, Comm
-from .format.metadata import METADATA_FILE, Metadata
+from .catalog.metadata_cache import MetadataCache
+from .format.metadata import Metadata
 from .monitor import OFF, AsideWrites, Recorder, SaveStats, StatsReport, new_op_id, recorder
 from .pipeline import device_reads, gate
 from .pipeline import load as loader
@@ -99,7 +99,7 @@ class Checkpointer:
         self._plans = PlanCache()
         self._pool: Optional[StagingPool] = None
         self._slabs: Optional[device_reads.PinnedSlabs] = None
-        self._metadata: "OrderedDict[str, tuple]" = OrderedDict()
+        self._metadata = MetadataCache(_METADATA_CACHE_SIZE)
         self._stores = StorageCache(self.options)
         self._hosts: Dict[Any, List[str]] = {}
         self._lock = threading.RLock()
@@ -328,7 +328,7 @@ class Checkpointer:
             if _same_target(h.path, store.url):
                 h.wait()
         inspection.delete_store(store)
-        self._metadata.pop(store.url, None)
+        self._metadata.forget(store.url)
 
     def keep_last(self, directory, k: int, *, storage_options: Any = _UNSET, process_group: Any = _UNSET,
                   dry_run: bool = False, remove_incomplete_older_than_s: Optional[float] = None):
@@ -428,20 +428,8 @@ class Checkpointer:
         return Comm(self.process_group if process_group is _UNSET else process_group)
 
     def _read_metadata(self, store: Storage) -> Metadata:
-        """metadata.json of `store`, parsed once per version (a stat/conditional read otherwise)."""
-        cached = self._metadata.get(store.url)
-        version, raw, changed = store.get_versioned(METADATA_FILE, cached[0] if cached else None)
-        if cached is not None and not changed:
-            self._metadata.move_to_end(store.url)
-            return cached[1]
-        if raw is None:
-            self._metadata.pop(store.url, None)
-            raise loader.missing_metadata_error(store)
-        md = loader.parse_metadata(store, raw)
-        self._metadata[store.url] = (version, md)
-        while len(self._metadata) > _METADATA_CACHE_SIZE:
-            self._metadata.popitem(last=False)
-        return md
+        """The checkpoint's metadata (ours, or a foreign format's read as ours), cached per version."""
+        return self._metadata.read(store)
 
     def _sharing(self, comm: Comm, store: Storage):
         """The zero-redundancy planner of a load, by policy: shared reads where they pay (remote or

@@ -170,6 +170,8 @@ def verify_store(store: Storage, workers, read_metadata: ReadMetadata, path: str
                 progress(report.checked_bytes, total)
     if md.safetensors:  # format 6: the safetensors headers (the chunk checksums do not cover them)
         report.problems += packs.st_problems(md, lambda key, a, b: store.read_range(key, a, b).result())
+    if md.foreign is not None:  # another format's plain values (core/foreign/)
+        report.problems += md.foreign.problems(store)
     for o in md.objects:
         raw = store.get(o.path)
         if raw is None:

@@ -31,6 +31,7 @@ from typing import Any, List, Optional, Tuple
 
 from ..common.errors import CheckpointError
 from ..dist.comm import Comm
+from ..foreign import COMMIT_FILES
 from ..format.metadata import METADATA_FILE, order_key
 from ..storage.specs import split_url
 
@@ -107,13 +108,16 @@ def _created(info) -> float:
     return float(created) if isinstance(created, (int, float)) else 0.0
 
 
+COMMITS = (METADATA_FILE,) + COMMIT_FILES  # ours, and other formats' (core/foreign/)
+
+
 def _children(ckpt, directory: str, storage_options) -> List[Tuple[str, bool]]:
     scheme = split_url(directory)[0]
     if scheme == "file":
         root = split_url(directory)[2]
         if not os.path.isdir(root):
             return []
-        return sorted((n, os.path.isfile(os.path.join(root, n, METADATA_FILE))) for n in os.listdir(root)
+        return sorted((n, any(os.path.isfile(os.path.join(root, n, f)) for f in COMMITS)) for n in os.listdir(root)
                       if os.path.isdir(os.path.join(root, n)) and not os.path.islink(os.path.join(root, n)))
     keys = ckpt.storage(directory, storage_options).list()
     names = {}
@@ -121,7 +125,7 @@ def _children(ckpt, directory: str, storage_options) -> List[Tuple[str, bool]]:
         if "/" not in key:
             continue
         name, rest = key.split("/", 1)
-        names[name] = names.get(name, False) or rest == METADATA_FILE
+        names[name] = names.get(name, False) or rest in COMMITS
     return sorted(names.items())
 
 

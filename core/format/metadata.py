@@ -69,6 +69,9 @@ class Metadata:
     # plain values rank 0 did not save (other pipeline stages' / experts' keys): which rank's object
     # file holds each; written only when some rank saved keys rank 0 did not
     object_owners: Mapping[str, int] = field(default_factory=dict)
+    # another format's checkpoint read as ours (core/foreign/): its reader of plain values
+    # (`read(store, keys, allow_pickle)`, `problems(store)`); never written, None for ours
+    foreign: Any = field(default=None, compare=False, repr=False)
 
     def to_json(self) -> bytes:
         """Canonical JSON (sorted keys, no spaces) with a crc32 of everything else as `checksum`.

@@ -234,6 +234,9 @@ def read_objects(store: Storage, md: Metadata, rank: int, allow_pickle: bool, ne
     """Plain values saved by `rank` (or rank 0's when the checkpoint had fewer ranks), and those of
     `needed` that this file lacks from the rank that saved them (another pipeline stage's or
     expert's keys: metadata's object_owners, else rank 0)."""
+    if md.foreign is not None:  # another format's plain values (core/foreign/): by key, not per rank
+        keys = list(needed)
+        return md.foreign.read(store, keys if keys else list(md.foreign.where), allow_pickle)
     src = rank if rank < md.world_size else 0
     objects = _read_object_file(store, md, src, allow_pickle)
     elsewhere: Dict[int, List[str]] = {}
