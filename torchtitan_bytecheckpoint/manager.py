@@ -24,7 +24,7 @@ import torch.distributed as dist
 import bytecheckpoint as bcp
 from bytecheckpoint.adapters.staging import WarmUpMixin, per_call
 
-from . import _compat, _data, _hf
+from . import _compat, _data, _dcp, _hf
 from ._compat import BaseCheckpointManager, filesystem
 
 log = logging.getLogger("torchtitan_bytecheckpoint")
@@ -33,6 +33,7 @@ MODEL, OPTIMIZER, LR_SCHEDULER = "model", "optimizer", "lr_scheduler"
 DATALOADER, TRAIN_STATE = "dataloader", "train_state"
 _ASYNC_MODES = ("disabled", "async", "async_with_pinned_mem")
 _STEP = re.compile(r"^step-(\d+)$")
+_COMMIT_FILES = ("metadata.json", ".metadata")  # ours; torchtitan's own DCP manager's
 
 
 class ByteCheckpointManager(WarmUpMixin, BaseCheckpointManager):
@@ -222,11 +223,19 @@ class ByteCheckpointManager(WarmUpMixin, BaseCheckpointManager):
             step = int(match.group(1)) if match else self._ckpt.inspect(path).info.get("step")
         if "://" not in self.folder and os.path.isdir(self.folder):
             for name in sorted(os.listdir(self.folder)):
-                match = _STEP.match(name)
-                hf = os.path.exists(os.path.join(self.folder, name, "model.safetensors"))  # last_save_in_hf
-                if match and not hf and (step is None or int(match.group(1)) > step):
-                    log.warning("bytecheckpoint: %s is not a committed checkpoint (a save that did not finish); "
-                                "skipped", os.path.join(self.folder, name))
+                match, newer = _STEP.match(name), os.path.join(self.folder, name)
+                hf = os.path.exists(os.path.join(newer, "model.safetensors"))  # last_save_in_hf
+                if not match or hf or (step is not None and int(match.group(1)) <= step):
+                    continue
+                if any(os.path.exists(os.path.join(newer, f)) for f in _COMMIT_FILES):
+                    try:  # committed but unreadable: an error naming it, never an older or fresh start
+                        self._ckpt.metadata(newer)
+                    except bcp.CheckpointError as exc:
+                        raise bcp.CheckpointError(f"the newest checkpoint {newer} cannot be read, so the run cannot "
+                                                  f"resume from it: {exc}") from exc
+                    continue
+                log.warning("bytecheckpoint: %s is not a committed checkpoint (no metadata.json or DCP .metadata: "
+                            "a save that did not finish); skipped", newer)
         return step
 
     @torch.no_grad()
@@ -254,12 +263,19 @@ class ByteCheckpointManager(WarmUpMixin, BaseCheckpointManager):
                 return False
             path, model_only = self.config.initial_load_path, self.config.initial_load_model_only
             if not self._ckpt.is_checkpoint(path):
-                raise ValueError(f"checkpoint.initial_load_path is not a committed bytecheckpoint checkpoint: {path}")
+                raise ValueError(f"checkpoint.initial_load_path is not a committed checkpoint (bytecheckpoint or "
+                                 f"PyTorch DCP): {path}")
         else:
             model_only = step == 0
         begin = time.monotonic()
         log.info("bytecheckpoint: loading %s%s", path, " (model only)" if model_only else "")
-        if model_only:
+        if _dcp.is_dcp(self._ckpt, path):  # written by torchtitan's own (DCP) manager: its key layout
+            report = _dcp.load(self._ckpt, path, model_parts=self.model_parts, optimizers=self.optimizers,
+                               states=self.states, exclude=set(self.config.exclude_from_loading), model_only=model_only)
+            if report:
+                self.data_order_report = report
+                log.info("bytecheckpoint: %s", report)
+        elif model_only:
             self._ckpt.load(path, {MODEL: self.model_parts}, strict=False)
         else:
             self._load_full(path)

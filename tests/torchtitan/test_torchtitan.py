@@ -361,6 +361,24 @@ def test_trainer_dp2_to_dp1_continues_the_data_stream(runs):
 
 @pytest.mark.torchtitan
 @pytest.mark.timeout(900)
+def test_trainer_resumes_torchtitans_own_dcp_checkpoints(runs):
+    """Switching: a run checkpointed by torchtitan's DCP manager, relaunched with ours, continues from
+    its newest step-N (never step 1): at FSDP2 2 exactly as torchtitan's own resume, and at DP 1 with
+    the global batch kept on exactly the samples the uninterrupted run trains on (DCP's dp_rank_<r>
+    states continued by the rule of our own)."""
+    full = runs["dcp"]
+    same = _resume(runs, "dcp_to_bcp_dp2", "bcp", 2, source="dcp")
+    assert same[0]["losses"] == {3: full[0]["losses"][3], 4: full[0]["losses"][4]}
+    for rank in range(2):
+        assert same[rank]["batches"] == {s: full[rank]["batches"][s] for s in (3, 4)}
+    one = _resume(runs, "dcp_to_bcp_dp1", "bcp", 1, source="dcp", local_batch=4)
+    for step in (3, 4):
+        assert one[0]["batches"][step] == full[0]["batches"][step] + full[1]["batches"][step]
+        assert one[0]["losses"][step] == pytest.approx(full[0]["losses"][step], rel=1e-4)
+
+
+@pytest.mark.torchtitan
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("mode", ["async", "async_with_pinned_mem"])
 def test_trainer_async_modes_resume(runs, mode):
     root = runs["root"]
