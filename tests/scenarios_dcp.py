@@ -8,7 +8,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 import bytecheckpoint as bcp
-from scenarios_fsdp2 import full_state, model_and_optim
+from scenarios_fsdp2 import full_state, model_and_optim, train
 
 
 def _plain_model_and_optim():
@@ -21,12 +21,7 @@ def dcp_save_fsdp2(path: str, reference: str, rank_local: bool = False):
     """Stock DCP: FSDP2 + AdamW trained 3 steps, saved as dcp.save of get_state_dict (DTensors)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     model, optim = model_and_optim(world)
-    g = torch.Generator().manual_seed(rank)
-    for _ in range(3):
-        loss = model(torch.randn(4, 13, generator=g)).pow(2).mean()
-        optim.zero_grad()
-        loss.backward()
-        optim.step()
+    train(model, optim, rank)
     msd, osd = get_state_dict(model, optim)
     dcp.save({"model": msd, "optim": osd, "step": 3, "extra": {"seen": [rank, 5]}}, checkpoint_id=path,
              **({"use_collectives": False} if rank_local else {}))

@@ -37,15 +37,19 @@ def full_state(model, optim):
     return out
 
 
-def train_and_save(path: str, reference: str):
-    rank, world = dist.get_rank(), dist.get_world_size()
-    model, optim = model_and_optim(world)
+def train(model, optim, rank: int, steps: int = 3) -> None:
     g = torch.Generator().manual_seed(rank)
-    for _ in range(3):
+    for _ in range(steps):
         loss = model(torch.randn(4, 13, generator=g)).pow(2).mean()
         optim.zero_grad()
         loss.backward()
         optim.step()
+
+
+def train_and_save(path: str, reference: str):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, optim = model_and_optim(world)
+    train(model, optim, rank)
     bcp.save(path, {"model": model, "optim": optim, "step": 3, "note": f"saved at {world}"})
     ref = full_state(model, optim)
     if rank == 0:

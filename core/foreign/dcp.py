@@ -269,33 +269,12 @@ def structure(paths: Mapping[str, Tuple[Any, ...]], tensor_keys: set) -> Any:
 def _locate(store: Storage, items: List[_Item]) -> None:
     """Find every chunk's tensor bytes inside its archive: the archives' head and tail windows are
     fetched with few reads (neighbours merged, runs in parallel), then parsed."""
-    wanted: Dict[str, List[Tuple[int, int, _Item]]] = {}
-    for item in items:
-        for a, b in torch_zip.windows(item.length):
-            wanted.setdefault(item.file, []).append((item.offset + a, item.offset + b, item))
-    runs = []
-    for file, spans in wanted.items():
-        spans.sort(key=lambda s: s[0])
-        run = [spans[0]]
-        for span in spans[1:]:
-            if span[0] - run[-1][1] <= GAP_BYTES and span[1] - run[0][0] <= RUN_BYTES:
-                run.append(span)
-            else:
-                runs.append((file, run))
-                run = [span]
-        runs.append((file, run))
-
-    def fetch(run) -> List[Tuple[_Item, int, bytes]]:
-        file, spans = run
-        start, stop = spans[0][0], max(s[1] for s in spans)
-        data = _read(store, file, start, stop)
-        return [(item, a - item.offset, data[a - start:b - start]) for a, b, item in spans]
-
+    spans = [(item.file, item.offset + a, item.offset + b, item) for item in items
+             for a, b in torch_zip.windows(item.length)]
     windows: Dict[int, Dict[int, bytes]] = {}
-    with ThreadPoolExecutor(min(READ_THREADS, max(1, len(runs)))) as pool:
-        for got in pool.map(fetch, runs):
-            for item, at, data in got:
-                windows.setdefault(id(item), {})[at] = data
+    with ThreadPoolExecutor(READ_THREADS) as pool:
+        for (_, start, _, item), data in _read_spans(store, spans, pool):
+            windows.setdefault(id(item), {})[start - item.offset] = data
 
         def parse(item: _Item) -> None:
             blob = torch_zip.Blob(item.length, windows.get(id(item), {}),
@@ -303,6 +282,25 @@ def _locate(store: Storage, items: List[_Item]) -> None:
                                   f"{store.where(item.file)} at byte {item.offset} ({item.key!r})")
             item.found = torch_zip.tensor_bytes(blob)
         list(pool.map(parse, items))
+
+
+def _read_spans(store: Storage, spans: Sequence[Tuple[str, int, int, Any]], pool: ThreadPoolExecutor):
+    """(span, its bytes) for every (file, start, stop, tag) span: neighbours in one file (gaps up to
+    GAP_BYTES, runs up to RUN_BYTES) are fetched by one read, the runs in parallel on `pool`."""
+    runs: List[List[Tuple[str, int, int, Any]]] = []
+    for span in sorted(spans, key=lambda s: (s[0], s[1])):
+        run = runs[-1] if runs else None
+        if run and run[0][0] == span[0] and span[1] - max(s[2] for s in run) <= GAP_BYTES and \
+                span[2] - run[0][1] <= RUN_BYTES:
+            run.append(span)
+        else:
+            runs.append([span])
+
+    def fetch(run):
+        start, stop = run[0][1], max(s[2] for s in run)
+        data = _read(store, run[0][0], start, stop)
+        return [(s, data[s[1] - start:s[2] - start]) for s in run]
+    return [got for done in pool.map(fetch, runs) for got in done]
 
 
 def _read(store: Storage, key: str, start: int, stop: int) -> bytes:
@@ -326,12 +324,12 @@ class DcpObjects:
         self.where = dict(where)
 
     def read(self, store: Storage, keys: Sequence[str], allow_pickle: bool) -> Dict[str, Any]:
+        spans = [(file, offset, offset + length, key) for key in keys if key in self.where
+                 for file, offset, length in [self.where[key]]]
+        with ThreadPoolExecutor(READ_THREADS) as pool:
+            blobs = _read_spans(store, spans, pool)
         out = {}
-        for key in keys:
-            if key not in self.where:
-                continue
-            file, offset, length = self.where[key]
-            raw = _read(store, file, offset, offset + length)
+        for (file, offset, _, key), raw in blobs:
             try:
                 out[key] = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=not allow_pickle)
             except pickle.UnpicklingError as exc:
