@@ -26,6 +26,16 @@ def is_bcp_path(path: Any) -> bool:
     return scheme(path) in BCP_SCHEMES
 
 
+def is_ours(checkpointer: Any, path: Any, **kwargs: Any) -> bool:
+    """A committed checkpoint in bytecheckpoint's own format. Other formats the engine reads (a
+    Lightning FSDP sharded directory is a PyTorch DCP one) stay Lightning's to load as it does."""
+    from bytecheckpoint import CheckpointError
+    try:
+        return checkpointer.metadata(str(path), **kwargs).foreign is None
+    except CheckpointError:  # not a checkpoint, unreadable: not ours to load (Lightning says why)
+        return False
+
+
 def key_of(path: Any) -> str:
     """A comparable form of a checkpoint path (absolute for local paths)."""
     text = str(path)

@@ -35,7 +35,7 @@ from lightning.pytorch.plugins.io.torch_plugin import TorchCheckpointIO
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from . import _compat, _metrics, _state
+from . import _compat, _metrics, _state, _stock
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +140,8 @@ class ByteCheckpointIO(CheckpointIO):
             return _compat.legacy_load(self._legacy, path, map_location, weights_only)
         if _is_file(path):  # a regular Lightning .ckpt file (users switching mid-run)
             return _compat.legacy_load(self._legacy, path, map_location, weights_only)
+        if _stock.is_sharded_dir(path):  # Lightning's own sharded directory (DCP + meta.pt): any strategy
+            return _to_device(_stock.read(self.checkpointer, path, weights_only), map_location)
         self._wait_for(path)
         template = self._template_for(self, path) if self._template_for is not None else None
         if template is not None:
@@ -242,8 +244,8 @@ class ByteCheckpointIO(CheckpointIO):
         return self._restore_rng(checkpoint)
 
     def is_bytecheckpoint(self, path: _PATH) -> bool:
-        return _state.is_bcp_path(path) and self.checkpointer.is_checkpoint(
-            str(path), **self._call_kwargs(self._options()))
+        return _state.is_bcp_path(path) and _state.is_ours(self.checkpointer, path,
+                                                           **self._call_kwargs(self._options()))
 
     def saved_keys(self, path: _PATH) -> list:
         """Top-level keys of a checkpoint (this plugin's record included)."""
@@ -315,7 +317,7 @@ class ByteCheckpointIO(CheckpointIO):
 def is_http_checkpoint(path: _PATH) -> bool:
     """A bytecheckpoint directory served over http(s) (loaded by the engine, read-only); any other
     http(s) URL (a .ckpt file) is Lightning's."""
-    return _state.scheme(path) in _state.READ_ONLY_SCHEMES and bcp.is_checkpoint(str(path))
+    return _state.scheme(path) in _state.READ_ONLY_SCHEMES and _state.is_ours(bcp.default_checkpointer(), path)
 
 
 def _check_options(options: Any, what: str) -> Optional[Dict[str, Any]]:

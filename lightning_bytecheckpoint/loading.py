@@ -60,7 +60,7 @@ def is_checkpoint_dir(path: Any) -> bool:
         return False
     import bytecheckpoint as bcp
 
-    return bcp.is_checkpoint(str(text))
+    return _state.is_ours(bcp.default_checkpointer(), text)
 
 
 def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -106,6 +106,7 @@ def _script(argv: list[str]) -> None:
     p.add_argument("--state-dict-type", default="full")
     p.add_argument("--resume")
     p.add_argument("--gpu", action="store_true")
+    p.add_argument("--stock", action="store_true", help="Lightning's own checkpointing (no plugin)")
     args = p.parse_args(argv)
     out = Path(args.out)
 
@@ -114,7 +115,7 @@ def _script(argv: list[str]) -> None:
     model = Net() if args.gpu else FSDPNet()
     strategy = (FSDPStrategy if args.gpu else CPUFSDPStrategy)(state_dict_type=args.state_dict_type)
     trainer = make_trainer(
-        out, plugins=[ByteCheckpointIO(async_save=True)], devices=args.devices, max_steps=args.max_steps,
+        out, plugins=[] if args.stock else [ByteCheckpointIO(async_save=True)], devices=args.devices, max_steps=args.max_steps,
         max_epochs=-1, strategy=strategy, accelerator="gpu" if args.gpu else "cpu",
         callbacks=[ModelCheckpoint(dirpath=out / "ckpts", filename="{step}", every_n_train_steps=3, save_top_k=-1)],
     )
@@ -214,3 +215,26 @@ def test_fsdp_sharded_every_rank_writes_and_resumes_on_one_device(tmp_path):
     trainer.fit(one, dataloader(), ckpt_path=str(ckpt))
     assert_same(_plain(one.loaded)["state_dict"], saved["state_dict"], "FSDP(2, sharded) -> 1 device: weights")
     assert_same(_plain(one.loaded)["optimizer"], saved["optimizer"], "FSDP(2, sharded) -> 1 device: Adam moments")
+
+
+def test_stock_fsdp_sharded_directory_resumes_on_one_device_and_on_fsdp(tmp_path):
+    """Switching: a run checkpointed by stock Lightning (FSDPStrategy state_dict_type="sharded": a DCP
+    directory + meta.pt, no plugin) resumes with ByteCheckpointIO on one plain device, which stock
+    Lightning cannot do (IsADirectoryError), and on FSDP(2) (handed to Lightning's own loader)."""
+    ranks = run_ddp(tmp_path / "stock", "--max-steps", "4", "--state-dict-type", "sharded", "--stock",
+                    script=__file__)
+    ckpt = tmp_path / "stock" / "ckpts" / "step=3.ckpt"
+    assert (ckpt / "meta.pt").is_file() and (ckpt / ".metadata").is_file()  # Lightning's own format
+    saved = ranks[0]["snapshots"][3]
+    pl.seed_everything(123)
+    one = Net()
+    trainer = make_trainer(tmp_path / "one", plugins=[ByteCheckpointIO()], max_steps=5, max_epochs=-1)
+    trainer.fit(one, dataloader(), ckpt_path=str(ckpt))
+    assert_same(_plain(one.loaded)["state_dict"], saved["state_dict"], "stock FSDP(2, sharded) -> 1 device: weights")
+    assert_same(_plain(one.loaded)["optimizer"], saved["optimizer"], "stock FSDP(2, sharded) -> 1 device: moments")
+    assert one.loaded["global_step"] == 3 and trainer.global_step == 5
+    back = run_ddp(tmp_path / "fsdp", "--max-steps", "5", "--state-dict-type", "sharded", "--resume", str(ckpt),
+                   script=__file__)
+    for rank, report in enumerate(back):
+        assert report["loaded"]["global_step"] == 3
+        assert_same(report["restored"]["state_dict"], saved["state_dict"], f"stock sharded -> FSDP(2), rank {rank}")
