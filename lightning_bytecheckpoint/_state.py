@@ -9,6 +9,8 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 import torch
 
+from bytecheckpoint.state.optimizer_form import keyed_by_names, names_to_positions  # noqa: F401 (used by the adapters)
+
 #: URL schemes whose checkpoints bytecheckpoint writes, as Lightning users mean them. Others
 #: (memory://, hdfs://, az://, ...) are fsspec file systems: see ByteCheckpointIO. http(s):// is
 #: read-only: a bytecheckpoint directory served there is loaded by the engine, a .ckpt file by
@@ -111,18 +113,6 @@ def _tuple(value: Any) -> Any:
 
 # ---------------------------------------------------------------- optimizer state keys
 
-def names_to_positions(osd: Dict[str, Any]) -> Dict[str, Any]:
-    """A parameter-name-keyed optimizer state dict (torch.distributed.checkpoint's form) keyed by
-    position instead, as ``torch.optim.Optimizer.state_dict()`` keys it: position = index of the
-    parameter in the param groups' ``params`` lists, in order. Values are not copied."""
-    position = {name: i for i, name in enumerate(n for g in osd["param_groups"] for n in g["params"])}
-    return {
-        **{k: v for k, v in osd.items() if k not in ("state", "param_groups")},
-        "state": {position[name]: s for name, s in osd["state"].items()},
-        "param_groups": [{**g, "params": [position[n] for n in g["params"]]} for g in osd["param_groups"]],
-    }
-
-
 def positions_to_names(osd: Dict[str, Any], names: List[str]) -> Dict[str, Any]:
     """The inverse, given the parameter names in the live optimizer's order."""
     return {
@@ -130,11 +120,6 @@ def positions_to_names(osd: Dict[str, Any], names: List[str]) -> Dict[str, Any]:
         "state": {names[i]: s for i, s in osd["state"].items()},
         "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in osd["param_groups"]],
     }
-
-
-def keyed_by_names(osd: Any) -> bool:
-    groups = osd.get("param_groups") if isinstance(osd, dict) else None
-    return bool(groups) and any(isinstance(p, str) for g in groups for p in g.get("params", ()))
 
 
 # ---------------------------------------------------------------- resume paths (local tier)

@@ -105,3 +105,21 @@ def group_values(index: int, group: Dict[str, Any], loaded: Dict[str, Any], key:
     if values is None:
         return hyper_parameters(group)
     return dict(values)
+
+
+def names_to_positions(osd: Dict[str, Any]) -> Dict[str, Any]:
+    """A parameter-name-keyed optimizer state dict (torch.distributed.checkpoint's form) keyed by
+    position instead, as ``torch.optim.Optimizer.state_dict()`` keys it: position = index of the
+    parameter in the param groups' ``params`` lists, in order. Values are not copied."""
+    position = {name: i for i, name in enumerate(n for g in osd[GROUPS] for n in g["params"])}
+    return {
+        **{k: v for k, v in osd.items() if k not in (STATE, GROUPS)},
+        STATE: {position[name]: s for name, s in osd[STATE].items()},
+        GROUPS: [{**g, "params": [position[n] for n in g["params"]]} for g in osd[GROUPS]],
+    }
+
+
+def keyed_by_names(osd: Any) -> bool:
+    """A torch-form optimizer state dict whose groups list parameter names (DCP's), not positions."""
+    groups = osd.get(GROUPS) if isinstance(osd, dict) else None
+    return bool(groups) and any(isinstance(p, str) for g in groups for p in g.get("params", ()))

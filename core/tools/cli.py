@@ -1,4 +1,4 @@
-"""Command line: python -m bytecheckpoint {inspect,verify,stats,export,import} ...
+"""Command line: python -m bytecheckpoint {inspect,verify,stats,export,convert,import} ...
 
 Argument parsing and printing only: what is printed comes from the engine (catalog/, monitor/).
 Every command exits quietly with 141 when its reader goes away (`| head`)."""
@@ -200,6 +200,37 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_convert(args) -> int:
+    if args.to == "safetensors":
+        return cmd_export(argparse.Namespace(path=args.src, out=args.dst, key=None, prefix=None, max_shard_size="5GB",
+                                             dtype=None, overwrite=args.overwrite, config_from=None,
+                                             push_to_hub=None, private=False, json=False))
+    from ..checkpointer import default_checkpointer
+    from .convert import convert
+    ckpt = default_checkpointer()
+    md = ckpt.metadata(args.src)
+    show = sys.stderr.isatty()
+    result = convert(ckpt.storage(args.src), md, args.dst, to=args.to, layout=args.layout,
+                     threads=ckpt.options.threads, allow_pickle=args.allow_pickle, overwrite=args.overwrite,
+                     progress=_count_bar(show))
+    if show:
+        sys.stderr.write("\n")
+    source = "PyTorch DCP" if md.info.get("format") == "dcp" else "bytecheckpoint"
+    print(f"converted {args.src} ({source}) to {args.dst} ({args.to}, {args.layout} layout): {result.tensors} tensors "
+          f"({_human(result.nbytes)}), {result.values} plain values; files: {', '.join(result.files)}")
+    return 0
+
+
+def _count_bar(show: bool):
+    """A one-line progress bar of items done on stderr when it is a terminal; a no-op otherwise."""
+    def progress(done: int, total: int) -> None:
+        if show and total:
+            filled = int(30 * done / total)
+            sys.stderr.write(f"\r[{'#' * filled}{'.' * (30 - filled)}] {done}/{total}")
+            sys.stderr.flush()
+    return progress
+
+
 def cmd_import(args) -> int:
     from ..api import inspect
     from .export import import_safetensors
@@ -290,6 +321,22 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--private", action="store_true", help="with --push-to-hub: create the repo private")
     s.add_argument("--json", action="store_true", help="machine-readable summary")
     s.set_defaults(func=cmd_export)
+
+    s = sub.add_parser("convert", help="write a checkpoint (ours or PyTorch DCP) as PyTorch DCP, torch.save or "
+                                       "safetensors, keyed as a framework writes it",
+                       description="Leave bytecheckpoint: SRC (detected: bytecheckpoint or PyTorch DCP) written to "
+                                   "DST as a PyTorch DCP directory (dcp.load, torchtitan's own manager), one torch.save "
+                                   "file (Lightning .ckpt with --layout lightning) or safetensors (= export). "
+                                   "DCP output holds one tensor in memory at a time. docs/switching.md")
+    s.add_argument("src", metavar="SRC", help="checkpoint (directory or URL)")
+    s.add_argument("dst", metavar="DST", help="output (local directory for dcp/safetensors, file for torch)")
+    s.add_argument("--to", choices=["dcp", "torch", "safetensors"], required=True, help="output format")
+    s.add_argument("--layout", choices=["plain", "torchtitan", "lightning"], default="plain",
+                   help="key layout: plain (the saved nesting), torchtitan (its DCP CheckpointManager's), "
+                        "lightning (its checkpoint dict)")
+    s.add_argument("--allow-pickle", action="store_true", help="decode pickled plain values (trusted sources only)")
+    s.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    s.set_defaults(func=cmd_convert)
 
     s = sub.add_parser("import", help="Hugging Face safetensors (single or sharded) -> a bytecheckpoint checkpoint",
                        description="Save the tensors of a safetensors file or model folder under KEY, so that "

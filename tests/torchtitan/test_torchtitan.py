@@ -379,6 +379,27 @@ def test_trainer_resumes_torchtitans_own_dcp_checkpoints(runs):
 
 @pytest.mark.torchtitan
 @pytest.mark.timeout(900)
+def test_leaving_ours_converted_to_dcp_resumes_in_torchtitans_own_manager(runs):
+    """Leaving: our step-2 checkpoint, `bytecheckpoint convert --to dcp --layout torchtitan`, is resumed
+    by torchtitan's own DCP manager at FSDP2 2 exactly as the uninterrupted run continues."""
+    import subprocess
+    import sys
+    dump = runs["root"] / "bcp_to_dcp"
+    out = subprocess.run([sys.executable, "-m", "bytecheckpoint", "convert",
+                          str(runs["root"] / "bcp_full" / "checkpoint" / "step-2"),
+                          str(dump / "checkpoint" / "step-2"), "--to", "dcp", "--layout", "torchtitan"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    theirs = launch.run(2, dict(steps=4, data_dir=runs["data"], dump=str(dump), manager="dcp", interval=2),
+                        timeout=RUN_S)
+    full = runs["bcp"]
+    assert theirs[0]["losses"] == {3: full[0]["losses"][3], 4: full[0]["losses"][4]}
+    for rank in range(2):
+        assert theirs[rank]["batches"] == {s: full[rank]["batches"][s] for s in (3, 4)}
+
+
+@pytest.mark.torchtitan
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("mode", ["async", "async_with_pinned_mem"])
 def test_trainer_async_modes_resume(runs, mode):
     root = runs["root"]

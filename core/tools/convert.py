@@ -1,0 +1,263 @@
+"""Leaving: any checkpoint the engine reads (ours, PyTorch DCP) written as a PyTorch DCP directory
+or one torch.save file, keyed as a framework writes it (`bytecheckpoint convert`, docs/switching.md).
+
+The saved state is rebuilt as the nested dict a framework would hand to dcp.save, with every tensor a
+placeholder (`Lazy`); a layout (torchtitan, lightning) re-keys it; the DCP writer then walks it with
+DCP's own traversal rule and reads, writes and frees one tensor at a time, so memory holds one
+tensor, not the model. DCP's `.metadata` (pickled with torch's own DCP classes) is written last,
+under a temporary name renamed into place: a converted directory is complete or absent.
+torch.save needs the whole dict in memory at once (one pickle), as any .ckpt file does.
+"""
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from ..common.errors import CheckpointError, CheckpointExistsError
+from ..format.metadata import Metadata
+from ..pipeline.load import read_full_tensors, read_objects
+from ..pipeline.workers import Workers
+from ..state.flatten import build_from_structure, structure_leaves
+from ..state.optimizer_form import keyed_by_names, names_to_positions
+from ..storage import Storage
+
+LAYOUTS = ("plain", "torchtitan", "lightning")
+TARGETS = ("dcp", "torch")
+DCP_DATA_FILE = "__0_0.distcp"
+
+
+@dataclass
+class ConvertResult:
+    target: str
+    layout: str
+    tensors: int = 0
+    values: int = 0
+    nbytes: int = 0
+    files: List[str] = field(default_factory=list)
+
+
+class Lazy:
+    """A saved tensor not read yet: `load()` reads it whole (one tensor's memory)."""
+
+    def __init__(self, key: str, reader: Callable[[str], torch.Tensor]):
+        self.key, self._reader = key, reader
+
+    def load(self) -> torch.Tensor:
+        return self._reader(self.key)
+
+
+def saved_state(store: Storage, md: Metadata, threads: int, allow_pickle: bool) -> Dict[str, Any]:
+    """The saved state as nested dicts/lists: plain values read, tensors as Lazy placeholders."""
+    leaves = structure_leaves(md.structure)
+    objects = read_objects(store, md, 0, allow_pickle, [k for k, kind in leaves.items() if kind == "object"])
+
+    def read(key: str) -> torch.Tensor:
+        with Workers(threads) as workers:
+            return read_full_tensors(store, workers, md, [key])[key]
+    tensors = {k: Lazy(k, read) for k, kind in leaves.items() if kind == "tensor"}
+    state = build_from_structure(md.structure, tensors, objects)
+    if not isinstance(state, dict):
+        raise CheckpointError("convert: the saved state is not a dict")
+    return state
+
+
+# ---------------------------------------------------------------- layouts: our saved form -> a framework's
+
+def plain_layout(state: Dict[str, Any]) -> Dict[str, Any]:
+    """The saved nesting, with every optimizer in the form of torch's get_optimizer_state_dict
+    (what dcp.load expects): `param_groups` a list of groups listing their parameters' names
+    (parameters whose saved hyper-parameters are equal form one group, in first-seen order)."""
+    return {k: _dcp_optimizer(v) if _our_optimizer(v) else v for k, v in state.items()}
+
+
+def _our_optimizer(v: Any) -> bool:
+    return isinstance(v, dict) and set(v) == {"state", "param_groups"} and isinstance(v["param_groups"], dict)
+
+
+def _dcp_optimizer(value: Dict[str, Any]) -> Dict[str, Any]:
+    groups: List[Dict[str, Any]] = []
+    for name, hyper in value["param_groups"].items():
+        group = next((g for g in groups if {k: v for k, v in g.items() if k != "params"} == hyper), None)
+        if group is None:
+            group = {**hyper, "params": []}
+            groups.append(group)
+        group["params"].append(name)
+    return {"state": value["state"], "param_groups": groups}
+
+
+def torchtitan_layout(state: Dict[str, Any]) -> Dict[str, Any]:
+    """ByteCheckpointManager's saved form -> what torchtitan's own (DCP) CheckpointManager writes: model
+    FQNs at the top level, the optimizer as its flat `state.<fqn>.<name>` / `param_groups.<fqn>.<key>`
+    dict, each DP rank's data position as `dataloader.dp_rank_<r>` bytes."""
+    if "model" not in state:
+        raise CheckpointError("convert --layout torchtitan: no 'model' key (not saved by ByteCheckpointManager)")
+    out: Dict[str, Any] = dict(state["model"])
+    for key, value in state.items():
+        if key == "model":
+            continue
+        if key == "optimizer" and isinstance(value, dict) and "state" in value:
+            flat = {f"state.{fqn}.{name}": v for fqn, st in value["state"].items() for name, v in st.items()}
+            groups = value.get("param_groups", {})
+            if isinstance(groups, list):  # torch's positional form: names in `params`
+                groups = {fqn: g for g in groups for fqn in g["params"]}
+            flat.update({f"param_groups.{fqn}.{k}": v for fqn, g in groups.items() for k, v in g.items()
+                         if k not in ("params", "param_names")})
+            out[key] = flat
+        elif key == "dataloader" and isinstance(value, dict) and "positions" in value:
+            rows, lengths = value["positions"].load(), value["lengths"].load()
+            out[key] = {**{f"dp_rank_{r}": bytes(rows[r, :int(lengths[r])].numpy().tobytes())
+                           for r in range(rows.shape[0])}, "world_size": int(rows.shape[0])}
+        else:
+            out[key] = value
+    return out
+
+
+def lightning_layout(state: Dict[str, Any]) -> Dict[str, Any]:
+    """ByteCheckpointIO's saved form -> Lightning's checkpoint dict (its record dropped, optimizer
+    states keyed by position as a torch optimizer's state_dict() is). The plugin's data position
+    (its stateful train loader's, in the fit loop) is dropped: stock loaders keep none, and Lightning
+    refuses a checkpoint with more loader states than stateful loaders."""
+    out = {k: v for k, v in state.items() if k != "bytecheckpoint_lightning"}
+    fit = out.get("loops", {}).get("fit_loop", {}) if isinstance(out.get("loops"), dict) else {}
+    if isinstance(fit, dict) and isinstance(fit.get("state_dict"), dict) and fit["state_dict"].get("combined_loader"):
+        fit["state_dict"]["combined_loader"] = []
+    optimizers = out.get("optimizer_states")
+    if isinstance(optimizers, list):
+        out["optimizer_states"] = [names_to_positions(o) if keyed_by_names(o) else o for o in optimizers]
+    return out
+
+
+_LAYOUT_FNS = {"plain": plain_layout, "torchtitan": torchtitan_layout, "lightning": lightning_layout}
+
+
+# ---------------------------------------------------------------- writers
+
+def dcp_leaves(state: Dict[str, Any]) -> List[Tuple[Tuple[Any, ...], Any]]:
+    """(path, value) of every leaf DCP would store, by torch.distributed.checkpoint._traverse's rule:
+    mappings are walked (keys as str); a list is walked only if it holds a tensor or a walkable
+    mapping/list; every other value is one leaf."""
+    def tensorish(v: Any) -> bool:
+        return isinstance(v, (torch.Tensor, Lazy))
+
+    def terminal(v: Any) -> bool:
+        if isinstance(v, dict):
+            return False
+        if not isinstance(v, list):
+            return True
+        return not any(isinstance(e, (dict, list)) and not terminal(e) or tensorish(e) for e in v)
+
+    out: List[Tuple[Tuple[Any, ...], Any]] = []
+
+    def walk(path: Tuple[Any, ...], v: Any) -> None:
+        if isinstance(v, dict):
+            for k, x in v.items():
+                walk(path + (str(k),), x)
+        elif terminal(v):
+            out.append((path, v))
+        elif isinstance(v, (list, tuple)):
+            for i, x in enumerate(v):
+                walk(path + (i,), x)
+    for key, value in state.items():
+        walk((str(key),), value)
+    return out
+
+
+def write_dcp(state: Dict[str, Any], dst: str, progress: Optional[Callable[[int, int], None]] = None
+              ) -> ConvertResult:
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata as DcpMd,
+                                                       MetadataIndex, StorageMeta, TensorProperties,
+                                                       TensorStorageMetadata)
+    result = ConvertResult("dcp", "", files=[DCP_DATA_FILE, ".metadata"])
+    leaves = dcp_leaves(state)
+    items: Dict[str, Any] = {}
+    where: Dict[Any, Any] = {}
+    mapping: Dict[str, Tuple[Any, ...]] = {}
+    with open(os.path.join(dst, DCP_DATA_FILE), "wb") as f:
+        for n, (path, value) in enumerate(leaves):
+            fqn = ".".join(map(str, path))
+            mapping[fqn] = path
+            start = f.tell()
+            if isinstance(value, (torch.Tensor, Lazy)):
+                tensor = (value.load() if isinstance(value, Lazy) else value).detach().cpu().contiguous()
+                torch.save(tensor, f)
+                zeros = torch.Size([0] * tensor.dim())
+                items[fqn] = TensorStorageMetadata(TensorProperties(dtype=tensor.dtype), tensor.size(),
+                                                   [ChunkStorageMetadata(zeros, tensor.size())])
+                where[MetadataIndex(fqn, zeros)] = _StorageInfo(DCP_DATA_FILE, start, f.tell() - start)
+                result.tensors += 1
+                result.nbytes += tensor.numel() * tensor.element_size()
+                del tensor
+            else:
+                buf = io.BytesIO()
+                torch.save(value, buf)
+                f.write(buf.getbuffer())
+                items[fqn] = BytesStorageMetadata()
+                where[MetadataIndex(fqn)] = _StorageInfo(DCP_DATA_FILE, start, f.tell() - start)
+                result.values += 1
+            if progress:
+                progress(n + 1, len(leaves))
+        f.flush()
+        os.fsync(f.fileno())
+    md = DcpMd(state_dict_metadata=items, planner_data=mapping, storage_data=where,
+               storage_meta=StorageMeta(checkpoint_id=dst, save_id=uuid.uuid4().hex))
+    md.version = "1.0.0"  # torch.distributed.checkpoint.filesystem.CURRENT_DCP_VERSION (torch 2.11-2.15)
+    tmp = os.path.join(dst, ".metadata.tmp")
+    with open(tmp, "wb") as f:
+        pickle.dump(md, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(dst, ".metadata"))  # the commit point, last
+    return result
+
+
+def write_torch(state: Dict[str, Any], dst: str) -> ConvertResult:
+    result = ConvertResult("torch", "", files=[os.path.basename(dst)])
+
+    def materialize(v: Any) -> Any:
+        if isinstance(v, Lazy):
+            t = v.load()
+            result.tensors += 1
+            result.nbytes += t.numel() * t.element_size()
+            return t
+        if isinstance(v, dict):
+            return {k: materialize(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)) and not hasattr(v, "_fields"):
+            return type(v)(materialize(x) for x in v)
+        return v
+    full = materialize(state)
+    tmp = dst + ".tmp"
+    torch.save(full, tmp)
+    os.replace(tmp, dst)
+    return result
+
+
+def convert(store: Storage, md: Metadata, dst: str, *, to: str, layout: str = "plain", threads: int = 4,
+            allow_pickle: bool = False, overwrite: bool = False,
+            progress: Optional[Callable[[int, int], None]] = None) -> ConvertResult:
+    """Write the checkpoint (`store`, `md`) to the local path `dst` as `to` ("dcp": a directory,
+    "torch": one file), keyed as `layout` writes it."""
+    if to not in TARGETS:
+        raise CheckpointError(f"convert: --to must be one of {TARGETS}, got {to!r} (safetensors: bytecheckpoint "
+                              f"export)")
+    if layout not in LAYOUTS:
+        raise CheckpointError(f"convert: --layout must be one of {LAYOUTS}, got {layout!r}")
+    if "://" in dst:
+        raise CheckpointError(f"convert: the output must be a local path, got {dst!r}")
+    if os.path.exists(dst) and not overwrite and (to == "torch" or os.listdir(dst)):
+        raise CheckpointExistsError(f"convert: {dst!r} exists; pass --overwrite or another path")
+    state = _LAYOUT_FNS[layout](saved_state(store, md, threads, allow_pickle))
+    if to == "dcp":
+        os.makedirs(dst, exist_ok=True)
+        result = write_dcp(state, dst, progress)
+    else:
+        os.makedirs(os.path.dirname(os.path.abspath(dst)), exist_ok=True)
+        result = write_torch(state, dst)
+    result.layout = layout
+    return result
