@@ -65,7 +65,8 @@ def cmd_inspect(args) -> int:
     columns = shutil.get_terminal_size((120, 24)).columns
     width = 0 if args.wide else max(40, columns - 60)
     step = info.info.get("step")
-    print(f"{info.path}: bytecheckpoint format v{info.format_version}, saved by {info.world_size} rank(s)"
+    form = "PyTorch DCP checkpoint" if info.info.get("format") == "dcp" else f"bytecheckpoint format v{info.format_version}"
+    print(f"{info.path}: {form}, saved by {info.world_size} rank(s)"
           f"{f' at step {step}' if step is not None else ''}, {len(info.tensors)} tensors, {_human(info.nbytes)}")
     sizes = ", ".join(f"rank {r}: {_human(n)}" for r, n in sorted(info.objects.items())[:4])
     sizes += f" ... ({len(info.objects)} ranks)" if len(info.objects) > 4 else ""
