@@ -32,7 +32,7 @@ from typing import Any, Callable, Dict, List, Optional
 import bytecheckpoint as bcp
 from bytecheckpoint.adapters.attachment import Attachment, check_target, checkpointer_for
 
-from . import _agreement, _data, _staging
+from . import _agreement, _data, _staging, _stock
 from ._agreement import CHECKPOINT_SUBDIR, LEGACY_MODEL_FILES, save_on_each_node
 from . import _compat as compat
 from . import _routes as routes
@@ -269,6 +269,9 @@ class ByteCheckpointAttachment(_data.DataOrderMixin, _staging.WarmUpMixin, Metri
             _agreement.agree(self._accelerator, self._ckpt, "load_state", route, os.fspath(input_dir))
         path = os.path.join(os.fspath(input_dir), CHECKPOINT_SUBDIR)
         if not self._ckpt.is_checkpoint(path, **self._storage):
+            if _stock.model_dirs(os.fspath(input_dir), len(call.models)):  # stock FSDP sharded folders (DCP)
+                self._load_stock(call, os.fspath(input_dir), targets, models)
+                return
             self._hand_back_legacy(call, input_dir, path)
             return
         state = self._with_data(self._state(call, targets), path)  # + the loaders' data order, if saved
@@ -370,6 +373,18 @@ class ByteCheckpointAttachment(_data.DataOrderMixin, _staging.WarmUpMixin, Metri
         # keeps `step` in the per-rank RNG file, which new ranks do not have).
         state["accelerator"] = {"step": int(acc.step)}
         return state
+
+    def _load_stock(self, call: _Call, input_dir: str, targets: List[int], models: list) -> None:
+        """Accelerate's own FSDP sharded folders, through the engine on this layout (_stock.py)."""
+        acc = self._accelerator
+        unwrap = _strip_compile if call.route.models_before_hooks else functools.partial(compat.unwrap, acc)
+        group = {} if call.route.sharded else {"process_group": bcp.LOCAL}
+        optimizers = [] if call.route.optimizers_in_models else call.optimizers
+        loaded = _stock.load(self._ckpt, input_dir, [unwrap(m) for m in call.models], optimizers, targets, group,
+                             self._storage)
+        done = [call.models[i] for i in loaded]
+        models[:] = [m for m in models if not _contains(done, m)]  # Accelerate loads none of them again
+        logger.info("bytecheckpoint: models/optimizers loaded from Accelerate's FSDP sharded folders in %s", input_dir)
 
     def _hand_back_legacy(self, call: _Call, input_dir: str, path: str) -> None:
         """A checkpoint written without attach: let Accelerate load models/optimizers itself."""

@@ -259,6 +259,26 @@ def test_fsdp1_default_plugin_two_to_one_cpu_forced_into_fsdp1_and_fsdp2(tmp_pat
         assert not any(f.startswith(("pytorch_model", "optimizer", "model")) for f in files), files
 
 
+def test_stock_fsdp_sharded_folders_resume_on_one_plain_process_and_on_fsdp(tmp_path: Path) -> None:
+    """Switching: a run checkpointed by stock Accelerate (FSDP2 SHARDED_STATE_DICT on 2 processes:
+    pytorch_model_fsdp_0/ and optimizer_0/ DCP folders, no attach) resumes with an attached
+    accelerator on one process without FSDP (stock load_state cannot) and on FSDP at 1 process."""
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    out.mkdir()
+    forced = ("--force-cpu", "--fsdp-version", "2")
+    launch(2, "fsdp_resume.py", "save", str(ckpt), str(out), *forced, "--state-dict-type", "SHARDED_STATE_DICT",
+           "--stock", timeout=240)
+    assert (ckpt / "pytorch_model_fsdp_0" / ".metadata").is_file() and (ckpt / "optimizer_0" / ".metadata").is_file()
+    launch(1, "fsdp_resume.py", "load", str(ckpt), str(out), "--plain", "--tag", "plain", timeout=240)
+    launch(1, "fsdp_resume.py", "load", str(ckpt), str(out), *forced, "--tag", "fsdp", timeout=240)
+    saved = load_dump(out / "saved_0.pt")
+    assert saved["optim"], "no optimizer state was dumped"
+    for tag in ("plain", "fsdp"):
+        loaded = load_dump(out / f"loaded_{tag}.pt")
+        assert_tensors_equal(loaded["model"], saved["model"], f"stock FSDP(2) -> {tag}: weights")
+        assert_tensors_equal(loaded["optim"], saved["optim"], f"stock FSDP(2) -> {tag}: optimizer")
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 1, reason="FSDP through Accelerate needs CUDA GPUs")
 def test_fsdp2_resume_gpu(tmp_path: Path) -> None:
     run_fsdp(tmp_path, min(torch.cuda.device_count(), 2), 1, ("--fsdp-version", "2"), ("--fsdp-version", "2"),

@@ -30,6 +30,8 @@ from accelerate_bytecheckpoint import attach
 
 
 def make_accelerator(args: argparse.Namespace) -> Accelerator:
+    if args.plain:  # no FSDP at all: one process or DDP on CPU
+        return Accelerator(cpu=True)
     plugin_kwargs = {} if args.fsdp_version is None else {"fsdp_version": args.fsdp_version}
     if args.state_dict_type:
         plugin_kwargs["state_dict_type"] = args.state_dict_type
@@ -58,19 +60,22 @@ def main() -> int:
     p.add_argument("--main-only-then-fail", action="store_true")
     p.add_argument("--also-full-to", default=None, help="save: then save again with FULL_STATE_DICT set on the model")
     p.add_argument("--tag", default="0", help="load: dump to loaded_<tag>.pt")
+    p.add_argument("--stock", action="store_true", help="save: Accelerate's own save_state (no attach)")
+    p.add_argument("--plain", action="store_true", help="load: a plain accelerator (no FSDP)")
     args = p.parse_args()
     mode, ckpt, out = args.mode, args.ckpt, args.out
     accelerator = make_accelerator(args)
-    assert accelerator.is_fsdp2 == (args.fsdp_version == 2), (accelerator.is_fsdp2, args.fsdp_version)
+    assert args.plain or accelerator.is_fsdp2 == (args.fsdp_version == 2), (accelerator.is_fsdp2, args.fsdp_version)
     set_seed(1 if mode == "save" else 2)
     model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
-    if accelerator.is_fsdp2:  # FSDP2: model and optimizer prepared together
+    if args.plain or accelerator.is_fsdp2:  # FSDP2 (and no FSDP): model and optimizer prepared together
         model, opt = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
     else:  # FSDP1: the optimizer is built on the prepared model's parameters
         model = accelerator.prepare(model)
         opt = accelerator.prepare(torch.optim.AdamW(model.parameters(), lr=1e-2))
-    assert accelerator.distributed_type == DistributedType.FSDP, accelerator.distributed_type  # still, after prepare
-    handle = attach(accelerator)
+    if not args.plain:
+        assert accelerator.distributed_type == DistributedType.FSDP, accelerator.distributed_type  # still, after prepare
+    handle = None if args.stock else attach(accelerator)
     if mode == "save":
         for _ in range(3):
             loss = model(torch.randn(8, 16, device=accelerator.device)).pow(2).mean()
@@ -94,7 +99,8 @@ def main() -> int:
             accelerator.save_state(args.also_full_to)
     if accelerator.is_main_process:
         torch.save(dump, os.path.join(out, "saved_0.pt" if mode == "save" else f"loaded_{args.tag}.pt"))
-    handle.remove()
+    if handle is not None:
+        handle.remove()
     accelerator.wait_for_everyone()
     if args.main_only_then_fail:
         main_only_save_of_sharded_state(accelerator, ckpt + "_main_only")
