@@ -30,9 +30,10 @@ import os
 from typing import Any, Callable, Dict, List, Optional
 
 import bytecheckpoint as bcp
+from bytecheckpoint.adapters import fsdp_folders
 from bytecheckpoint.adapters.attachment import Attachment, check_target, checkpointer_for
 
-from . import _agreement, _data, _staging, _stock
+from . import _agreement, _data, _staging
 from ._agreement import CHECKPOINT_SUBDIR, LEGACY_MODEL_FILES, save_on_each_node
 from . import _compat as compat
 from . import _routes as routes
@@ -269,7 +270,7 @@ class ByteCheckpointAttachment(_data.DataOrderMixin, _staging.WarmUpMixin, Metri
             _agreement.agree(self._accelerator, self._ckpt, "load_state", route, os.fspath(input_dir))
         path = os.path.join(os.fspath(input_dir), CHECKPOINT_SUBDIR)
         if not self._ckpt.is_checkpoint(path, **self._storage):
-            if _stock.model_dirs(os.fspath(input_dir), len(call.models)):  # stock FSDP sharded folders (DCP)
+            if fsdp_folders.model_dirs(os.fspath(input_dir), len(call.models)):  # stock FSDP sharded folders (DCP)
                 self._load_stock(call, os.fspath(input_dir), targets, models)
                 return
             self._hand_back_legacy(call, input_dir, path)
@@ -375,12 +376,12 @@ class ByteCheckpointAttachment(_data.DataOrderMixin, _staging.WarmUpMixin, Metri
         return state
 
     def _load_stock(self, call: _Call, input_dir: str, targets: List[int], models: list) -> None:
-        """Accelerate's own FSDP sharded folders, through the engine on this layout (_stock.py)."""
+        """Accelerate's own FSDP sharded folders, through the engine on this layout (adapters/fsdp_folders.py)."""
         acc = self._accelerator
         unwrap = _strip_compile if call.route.models_before_hooks else functools.partial(compat.unwrap, acc)
         group = {} if call.route.sharded else {"process_group": bcp.LOCAL}
         optimizers = [] if call.route.optimizers_in_models else call.optimizers
-        loaded = _stock.load(self._ckpt, input_dir, [unwrap(m) for m in call.models], optimizers, targets, group,
+        loaded = fsdp_folders.load(self._ckpt, input_dir, [unwrap(m) for m in call.models], optimizers, targets, group,
                              self._storage)
         done = [call.models[i] for i in loaded]
         models[:] = [m for m in models if not _contains(done, m)]  # Accelerate loads none of them again

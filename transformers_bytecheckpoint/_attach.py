@@ -29,7 +29,10 @@ import os
 import time
 from typing import Any, Callable, Dict, Optional
 
+import torch
+
 import bytecheckpoint as bcp
+from bytecheckpoint.adapters import fsdp_folders
 from bytecheckpoint.adapters.attachment import Attachment, check_target, checkpointer_for
 from bytecheckpoint.dist.comm import Comm
 from bytecheckpoint.state.flatten import top_level_placeholders
@@ -47,10 +50,11 @@ from ._metrics import MetricsLog
 from ._model_files import write_model_files
 
 logger = logging.getLogger(__name__)
+SCHEDULER_FILE = "scheduler.pt"  # transformers.trainer.SCHEDULER_NAME
 
 _WRAPPED = ("train", "_save_checkpoint", "save_model", "_save_optimizer_and_scheduler", "_save_scaler",
             "_save_rng_state", "_push_from_checkpoint", "_load_from_checkpoint", "_prepare_for_training",
-            "_load_rng_state", "_load_best_model", "_finalize_training")
+            "_load_optimizer_and_scheduler", "_load_rng_state", "_load_best_model", "_finalize_training")
 
 
 @dataclasses.dataclass
@@ -241,7 +245,33 @@ class TrainerAttachment(_data.DataOrderMixin, _staging.WarmUpMixin, Attachment):
     def _w_load_from_checkpoint(self, original: Callable, resume_from_checkpoint: str, model: Any = None) -> None:
         if self._active and folders.is_ours(resume_from_checkpoint):
             return None  # loaded right after accelerator.prepare (_w_prepare_for_training)
+        if self._stock_fsdp(resume_from_checkpoint):
+            path = fsdp_folders.model_dirs(resume_from_checkpoint, 1)[0]
+            self._ckpt.load(path, {"model": model if model is not None else self._trainer.model},
+                            process_group=bcp.LOCAL, **self._storage)
+            logger.info("bytecheckpoint: the model loaded from the stock FSDP sharded folder %s", path)
+            return None
         return original(resume_from_checkpoint, model)
+
+    def _stock_fsdp(self, folder: Optional[str]) -> bool:
+        """A folder the stock Trainer wrote under FSDP SHARDED_STATE_DICT (DCP directories), resumed
+        without FSDP, which the stock Trainer cannot do: the engine reads them (adapters/fsdp_folders.py).
+        Under FSDP the stock Trainer reads them itself, at any process count."""
+        return (self._active and isinstance(folder, (str, os.PathLike)) and not folders.is_ours(folder)
+                and not getattr(self._trainer, "is_fsdp_enabled", False)
+                and bool(fsdp_folders.model_dirs(os.fspath(folder), 1)))
+
+    def _w_load_optimizer_and_scheduler(self, original: Callable, checkpoint: Optional[str]) -> None:
+        if not self._stock_fsdp(checkpoint):
+            return original(checkpoint)
+        tr = self._trainer
+        folder = os.fspath(checkpoint)
+        fsdp_folders.load_optimizer(self._ckpt, os.path.join(folder, fsdp_folders.OPTIMIZER_DIR.format(0)), tr.model,
+                                    tr.optimizer, {"process_group": bcp.LOCAL}, self._storage)
+        scheduler = os.path.join(folder, SCHEDULER_FILE)
+        if tr.lr_scheduler is not None and os.path.isfile(scheduler):  # as the stock Trainer loads it
+            tr.lr_scheduler.load_state_dict(torch.load(scheduler, map_location="cpu", weights_only=True))
+        logger.info("bytecheckpoint: optimizer and scheduler loaded from the stock FSDP sharded folder %s", folder)
 
     def _w_prepare_for_training(self, original: Callable, max_steps: int, train_dataloader: Any,
                                 resume_from_checkpoint: Optional[str]) -> Any:

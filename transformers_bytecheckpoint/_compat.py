@@ -12,8 +12,9 @@ installed transformers version and the version the adapter is tested with.
 | `Trainer._save(output_dir, state_dict)` | called (not wrapped) with FSDP `FULL_STATE_DICT` / DeepSpeed: writes the gathered `model.safetensors`, config and processing class as stock `save_model` does (_gathered.py) | `save_model` would also write DeepSpeed's own checkpoint |
 | `Trainer._push_from_checkpoint(folder)` | with `push_to_hub`: deferred until the checkpoint is committed | called inside `_save_checkpoint` |
 | `Trainer._get_output_dir(trial)` | the run directory whose `checkpoint-*` folders rotation looks at | no public getter |
-| `Trainer._load_from_checkpoint(path, model=None)` | skipped for a bytecheckpoint folder (loaded after `prepare`, below) | resume loads are private steps of `train()` |
+| `Trainer._load_from_checkpoint(path, model=None)` | skipped for a bytecheckpoint folder (loaded after `prepare`, below); a stock FSDP `SHARDED_STATE_DICT` folder resumed without FSDP: the model from its DCP folder | resume loads are private steps of `train()` |
 | `Trainer._prepare_for_training(max_steps, dl, resume)` | a bytecheckpoint folder is loaded (model, optimizer, scheduler, scaler, DeepSpeed engine) right after `accelerator.prepare`, in place | DeepSpeed resume calls a module function, not a method |
+| `Trainer._load_optimizer_and_scheduler(checkpoint)` | a stock FSDP `SHARDED_STATE_DICT` folder resumed without FSDP: the optimizer from its DCP folder through the engine, the scheduler as stock | the stock method looks for `optimizer.pt` there |
 | `Trainer._load_rng_state(checkpoint)` | RNG states from the checkpoint, with the stock rules for other process counts | |
 | `Trainer._load_best_model()` | `load_best_model_at_end` from a bytecheckpoint folder | |
 | `Trainer._finalize_training(trial, n, start)` | pending async saves committed before the best model is loaded and `save_total_limit=1` deletes | |
@@ -39,6 +40,7 @@ PRIVATE: Dict[str, Tuple[Tuple[str, ...], str]] = {
     "_get_output_dir": (("trial",), "the run directory of the checkpoint folders"),
     "_load_from_checkpoint": (("resume_from_checkpoint", "model"), "loading model weights on resume"),
     "_prepare_for_training": (("max_steps", "train_dataloader", "resume_from_checkpoint"), "loading on resume"),
+    "_load_optimizer_and_scheduler": (("checkpoint",), "a stock FSDP sharded folder resumed without FSDP"),
     "_load_rng_state": (("checkpoint",), "restoring RNG states on resume"),
     "_load_best_model": ((), "load_best_model_at_end"),
     "_finalize_training": (("trial", "num_train_samples", "start_time"), "the end of train()"),

@@ -185,6 +185,21 @@ def fsdp2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return t
 
 
+def test_stock_fsdp_sharded_folder_resumes_without_fsdp(tmp_path: Path) -> None:
+    """Switching: a run checkpointed by the stock Trainer (FSDP2 SHARDED_STATE_DICT on 2 processes:
+    pytorch_model_fsdp_0/ and optimizer_0/ DCP folders, no attach) resumes with attach(trainer) on one
+    process without FSDP, which the stock Trainer cannot (it looks for optimizer.pt), and trains on as
+    the stock FSDP2 resume on one process does."""
+    launch(2, "--out", str(tmp_path / "stock"), "--fsdp", "2", "--dump", str(tmp_path / "stock.pt"))
+    folder = tmp_path / "stock" / "checkpoint-4"
+    assert (folder / "pytorch_model_fsdp_0" / ".metadata").is_file() and (folder / "optimizer_0").is_dir()
+    launch(1, "--out", str(tmp_path / "fsdp_1"), "--fsdp", "2", "--resume", str(folder),
+           "--dump", str(tmp_path / "stock_1.pt"))
+    launch(1, "--out", str(tmp_path / "plain_1"), "--attach", "sync", "--resume", str(folder),
+           "--dump", str(tmp_path / "plain_1.pt"))
+    assert_same_run(dump(tmp_path / "plain_1.pt"), dump(tmp_path / "stock_1.pt"), "stock FSDP2 folder -> 1 process")
+
+
 @pytest.mark.slow  # make test-slow: other layouts of the same Trainer route
 def test_fsdp2_saved_on_2_resumed_on_1_bit_exact_with_stock(fsdp2: Path) -> None:
     # Accelerate enables FSDP on GPU backends only; trainer_run.py forces its FSDP path on CPU/gloo
