@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from typing import Optional, Sequence
 
-from ..common.errors import IncompleteCheckpointError
+from ..common.errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError
 from ..format.metadata import Metadata
 from ..storage import Storage
 from . import dcp
@@ -34,8 +34,16 @@ def _with_info(md: Metadata, **info) -> Metadata:
     return replace(md, info={**md.info, **info})
 
 
-def incomplete(store: Storage, keys: Sequence[str]) -> Optional[IncompleteCheckpointError]:
-    """A foreign save that did not finish (data files, no commit point), or None."""
+def incomplete(store: Storage, keys: Sequence[str]) -> Optional[CheckpointError]:
+    """Why a foreign checkpoint is not read: a save that did not finish (data files, no commit
+    point), or a format recognised but not read yet; None if nothing is recognised."""
+    names = {k.rsplit("/", 1)[-1] for k in keys}
+    if any(n.endswith("_model_states.pt") or n.endswith("_optim_states.pt") for n in names) or "latest" in names and \
+            any(k.startswith("global_step") for k in keys):
+        return CheckpointNotFoundError(
+            f"{store.url!r} is a DeepSpeed checkpoint folder, which bytecheckpoint does not read yet "
+            f"(docs/switching.md). Resume it with DeepSpeed's load_checkpoint at the world size it was saved at "
+            f"(or its ds_to_universal), then save with bytecheckpoint")
     if any(k.endswith(".distcp") for k in keys):
         return IncompleteCheckpointError(
             f"{store.url!r} holds PyTorch DCP data (*.distcp) but no .metadata: the save that wrote it did not "

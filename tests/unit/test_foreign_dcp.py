@@ -168,3 +168,13 @@ def test_dtypes_and_large_archives(tmp_path, dtype):
     for k, v in state.items():
         assert got[k].dtype == dtype and got[k].shape == v.shape, k
         assert torch.equal(got[k].reshape(-1).view(torch.uint8), v.reshape(-1).view(torch.uint8)), k
+
+
+def test_a_deepspeed_folder_is_named_not_read(tmp_path):
+    (tmp_path / "ds" / "global_step10").mkdir(parents=True)
+    (tmp_path / "ds" / "latest").write_text("global_step10")
+    (tmp_path / "ds" / "global_step10" / "mp_rank_00_model_states.pt").write_bytes(b"x")
+    with pytest.raises(bcp.CheckpointNotFoundError, match="DeepSpeed checkpoint folder"):
+        bcp.load(str(tmp_path / "ds"), {"x": torch.zeros(1)})
+    with pytest.raises(bcp.CheckpointNotFoundError, match="DeepSpeed checkpoint folder"):
+        bcp.load(str(tmp_path / "ds" / "global_step10"), {"x": torch.zeros(1)})
