@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 from ..common.errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError
+from ..foreign import COMMIT_FILES
 from ..format.metadata import METADATA_FILE, Metadata
 from ..geometry.regions import find_layout_problem
 from ..state.flatten import structure_leaves
@@ -186,5 +187,6 @@ def delete_store(store: Storage) -> None:
     """Remove a checkpoint: the commit point first, so a half-deleted one never looks valid."""
     if store.get(METADATA_FILE) is None and not store.exists_any():
         raise CheckpointNotFoundError(f"{store.url!r}: nothing to delete")
-    store.delete(METADATA_FILE)
+    for commit in (METADATA_FILE,) + COMMIT_FILES:  # ours, or another format's (a DCP .metadata)
+        store.delete(commit)
     store.remove_root()

@@ -178,3 +178,12 @@ def test_a_deepspeed_folder_is_named_not_read(tmp_path):
         bcp.load(str(tmp_path / "ds"), {"x": torch.zeros(1)})
     with pytest.raises(bcp.CheckpointNotFoundError, match="DeepSpeed checkpoint folder"):
         bcp.load(str(tmp_path / "ds" / "global_step10"), {"x": torch.zeros(1)})
+
+
+def test_keep_last_orders_dcp_folders_by_step_and_deletes_commit_first(tmp_path):
+    for step in (2, 10, 4):
+        dcp.save({"w": torch.full((2,), float(step))}, checkpoint_id=str(tmp_path / f"step-{step}"))
+    report = bcp.keep_last(str(tmp_path), 2)
+    assert sorted(report.kept) == sorted(str(tmp_path / f"step-{s}") for s in (4, 10))
+    assert report.deleted == [str(tmp_path / "step-2")] and not (tmp_path / "step-2").exists()
+    assert bcp.latest(str(tmp_path)) == str(tmp_path / "step-10")
