@@ -52,14 +52,13 @@ class Lazy:
         return self._reader(self.key)
 
 
-def saved_state(store: Storage, md: Metadata, threads: int, allow_pickle: bool) -> Dict[str, Any]:
+def saved_state(store: Storage, md: Metadata, workers: Workers, allow_pickle: bool) -> Dict[str, Any]:
     """The saved state as nested dicts/lists: plain values read, tensors as Lazy placeholders."""
     leaves = structure_leaves(md.structure)
     objects = read_objects(store, md, 0, allow_pickle, [k for k, kind in leaves.items() if kind == "object"])
 
     def read(key: str) -> torch.Tensor:
-        with Workers(threads) as workers:
-            return read_full_tensors(store, workers, md, [key])[key]
+        return read_full_tensors(store, workers, md, [key])[key]
     tensors = {k: Lazy(k, read) for k, kind in leaves.items() if kind == "tensor"}
     state = build_from_structure(md.structure, tensors, objects)
     if not isinstance(state, dict):
@@ -252,12 +251,13 @@ def convert(store: Storage, md: Metadata, dst: str, *, to: str, layout: str = "p
         raise CheckpointError(f"convert: the output must be a local path, got {dst!r}")
     if os.path.exists(dst) and not overwrite and (to == "torch" or os.listdir(dst)):
         raise CheckpointExistsError(f"convert: {dst!r} exists; pass --overwrite or another path")
-    state = _LAYOUT_FNS[layout](saved_state(store, md, threads, allow_pickle))
-    if to == "dcp":
-        os.makedirs(dst, exist_ok=True)
-        result = write_dcp(state, dst, progress)
-    else:
-        os.makedirs(os.path.dirname(os.path.abspath(dst)), exist_ok=True)
-        result = write_torch(state, dst)
+    with Workers(threads) as workers:
+        state = _LAYOUT_FNS[layout](saved_state(store, md, workers, allow_pickle))
+        if to == "dcp":
+            os.makedirs(dst, exist_ok=True)
+            result = write_dcp(state, dst, progress)
+        else:
+            os.makedirs(os.path.dirname(os.path.abspath(dst)), exist_ok=True)
+            result = write_torch(state, dst)
     result.layout = layout
     return result
