@@ -148,13 +148,14 @@ def cmd_stats(args) -> int:
     return 0 if report.committed else 2
 
 
-def _bar(show: bool):
-    """A one-line progress bar on stderr when it is a terminal; a no-op otherwise."""
+def _bar(show: bool, unit=_human):
+    """A one-line progress bar on stderr when it is a terminal; a no-op otherwise. `unit` prints the
+    counts (bytes by default; str for items)."""
     def progress(done: int, total: int, *_: object) -> None:
         if show and total:
             width = 30
             filled = int(width * done / total)
-            sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {_human(done)}/{_human(total)}")
+            sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {unit(done)}/{unit(total)}")
             sys.stderr.flush()
     return progress
 
@@ -213,23 +214,13 @@ def cmd_convert(args) -> int:
     show = sys.stderr.isatty()
     result = convert(ckpt.storage(args.src), md, args.dst, to=args.to, layout=args.layout,
                      threads=ckpt.options.threads, allow_pickle=args.allow_pickle, overwrite=args.overwrite,
-                     progress=_count_bar(show))
+                     progress=_bar(show, str))
     if show:
         sys.stderr.write("\n")
     source = "PyTorch DCP" if md.info.get("format") == "dcp" else "bytecheckpoint"
     print(f"converted {args.src} ({source}) to {args.dst} ({args.to}, {args.layout} layout): {result.tensors} tensors "
           f"({_human(result.nbytes)}), {result.values} plain values; files: {', '.join(result.files)}")
     return 0
-
-
-def _count_bar(show: bool):
-    """A one-line progress bar of items done on stderr when it is a terminal; a no-op otherwise."""
-    def progress(done: int, total: int) -> None:
-        if show and total:
-            filled = int(30 * done / total)
-            sys.stderr.write(f"\r[{'#' * filled}{'.' * (30 - filled)}] {done}/{total}")
-            sys.stderr.flush()
-    return progress
 
 
 def cmd_import(args) -> int:
