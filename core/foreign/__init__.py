@@ -1,15 +1,15 @@
 """Other formats' checkpoints read as ours (docs/switching.md): one reader per format, each
-mapping its geometry onto our Metadata so that the one load path (resharding, zero-redundancy,
+mapping its geometry onto our Metadata (dcp.py: PyTorch DCP; deepspeed.py: DeepSpeed ZeRO folders) so that the one load path (resharding, zero-redundancy,
 verify, inspect, load_full) serves them all. Read, never written in place."""
 from __future__ import annotations
 
 import re
 from typing import Optional, Sequence
 
-from ..common.errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError
+from ..common.errors import CheckpointError, IncompleteCheckpointError
 from ..format.metadata import Metadata
 from ..storage import Storage
-from . import dcp
+from . import dcp, deepspeed
 
 # a commit point of some format: what `latest` and retention look for beside metadata.json
 COMMIT_FILES = (dcp.DCP_METADATA,)
@@ -22,9 +22,11 @@ def read_metadata(store: Storage) -> Optional[Metadata]:
     (torchtitan's step-N, the Trainer's checkpoint-N) stands for it, so `latest` orders them."""
     md = dcp.read_metadata(store)
     if md is None:
+        md = deepspeed.read_metadata(store)
+    if md is None:
         return None
     step = _TRAILING_STEP.search(store.url.rstrip("/").rsplit("/", 1)[-1])
-    if step is not None:
+    if step is not None and md.info.get("step") is None:
         md = _with_info(md, step=int(step.group(1)))
     return md
 
@@ -37,13 +39,6 @@ def _with_info(md: Metadata, **info) -> Metadata:
 def incomplete(store: Storage, keys: Sequence[str]) -> Optional[CheckpointError]:
     """Why a foreign checkpoint is not read: a save that did not finish (data files, no commit
     point), or a format recognised but not read yet; None if nothing is recognised."""
-    names = {k.rsplit("/", 1)[-1] for k in keys}
-    if any(n.endswith("_model_states.pt") or n.endswith("_optim_states.pt") for n in names) or "latest" in names and \
-            any(k.startswith("global_step") for k in keys):
-        return CheckpointNotFoundError(
-            f"{store.url!r} is a DeepSpeed checkpoint folder, which bytecheckpoint does not read yet "
-            f"(docs/switching.md). Resume it with DeepSpeed's load_checkpoint at the world size it was saved at "
-            f"(or its ds_to_universal), then save with bytecheckpoint")
     if any(k.endswith(".distcp") for k in keys):
         return IncompleteCheckpointError(
             f"{store.url!r} holds PyTorch DCP data (*.distcp) but no .metadata: the save that wrote it did not "

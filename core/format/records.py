@@ -45,6 +45,10 @@ class ArrayMeta:
     # `pack_files` (the checkpoint's pack files, shared by all arrays); empty: one file per chunk
     locations: Mapping[str, Tuple[int, int, int]] = field(default_factory=dict)
     pack_files: Tuple[str, ...] = ()
+    # another format's data that carries no checksum per region (a DeepSpeed partition's zip crc32
+    # covers the whole partition): not checked on read; `verify` checks the whole records instead.
+    # Never set for our own checkpoints (not serialized).
+    unchecked: bool = False
 
 
 @dataclass(frozen=True)

@@ -103,6 +103,12 @@ class Storage(abc.ABC):
         except Exception as exc:  # noqa: BLE001 - delivered through the request
             return Done(error=exc)
 
+    def size(self, key: str) -> Optional[int]:
+        """The object's length in bytes, None when absent. This default reads it whole; stores that
+        can stat an object say so (another format's archives are located from their tail)."""
+        raw = self.get(key)
+        return None if raw is None else len(raw)
+
     @abc.abstractmethod
     def list(self, prefix: str = "") -> List[str]:
         """Every key under `prefix`, sorted."""

@@ -263,6 +263,12 @@ class PosixStorage(Storage):
         return _LazyRead(run)
 
     # ------------------------------------------------------------ small objects
+    def size(self, key: str) -> Optional[int]:
+        try:
+            return os.stat(self._path(key)).st_size
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+
     def get(self, key: str) -> Optional[bytes]:
         try:
             with open(self._path(key), "rb") as f:

@@ -170,14 +170,24 @@ def test_dtypes_and_large_archives(tmp_path, dtype):
         assert torch.equal(got[k].reshape(-1).view(torch.uint8), v.reshape(-1).view(torch.uint8)), k
 
 
-def test_a_deepspeed_folder_is_named_not_read(tmp_path):
-    (tmp_path / "ds" / "global_step10").mkdir(parents=True)
+def test_deepspeed_folders_it_cannot_read_are_named(tmp_path):
+    """Real DeepSpeed folders load (tests/dist/test_deepspeed_stock.py); these never pass as one."""
+    tag = tmp_path / "ds" / "global_step10"
+    tag.mkdir(parents=True)
     (tmp_path / "ds" / "latest").write_text("global_step10")
-    (tmp_path / "ds" / "global_step10" / "mp_rank_00_model_states.pt").write_bytes(b"x")
-    with pytest.raises(bcp.CheckpointNotFoundError, match="DeepSpeed checkpoint folder"):
+    (tag / "mp_rank_00_model_states.pt").write_bytes(b"x")
+    for path in (tmp_path / "ds", tag):
+        with pytest.raises(bcp.CheckpointError, match="DeepSpeed checkpoint without ZeRO optimizer states"):
+            bcp.load(str(path), {"x": torch.zeros(1)})
+    (tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"y" * 100)
+    with pytest.raises(bcp.CorruptCheckpointError, match="mp_rank_00_model_states.pt"):
+        bcp.load(str(tag), {"x": torch.zeros(1)})
+    (tag / "layer_01-model_00-model_states.pt").write_bytes(b"z")
+    with pytest.raises(bcp.CheckpointError, match="pipeline- or tensor-parallel DeepSpeed"):
+        bcp.load(str(tag), {"x": torch.zeros(1)})
+    (tmp_path / "ds" / "latest").write_text("global_step12")
+    with pytest.raises(bcp.IncompleteCheckpointError, match="names tag 'global_step12'"):
         bcp.load(str(tmp_path / "ds"), {"x": torch.zeros(1)})
-    with pytest.raises(bcp.CheckpointNotFoundError, match="DeepSpeed checkpoint folder"):
-        bcp.load(str(tmp_path / "ds" / "global_step10"), {"x": torch.zeros(1)})
 
 
 def test_keep_last_orders_dcp_folders_by_step_and_deletes_commit_first(tmp_path):
