@@ -21,6 +21,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from . import foreign
 from .catalog import inspect as inspection
 from .common import collector
 from .common.errors import CheckpointerClosedError, CheckpointError
@@ -203,6 +204,7 @@ class Checkpointer:
         gate.drain_every(self.options.timeout_s)  # every engine's pending copies land before the live tensors change
         with collector.paused():
             md, stats = self._open_load(comm, store, path, arrive=True)
+            md = foreign.fit(md, state)  # another format seen in the form the template asks for
             shared = self._sharing(comm, store)
             with stats.finishing(store, md, self.options.record_stats == "all"), Workers(self.options.threads) as workers:
                 loader.load(comm, store, workers, md, state, strict=strict, allow_pickle=allow_pickle, shared=shared,

@@ -142,6 +142,8 @@ class ByteCheckpointIO(CheckpointIO):
             return _compat.legacy_load(self._legacy, path, map_location, weights_only)
         if _stock.is_sharded_dir(path):  # Lightning's own sharded directory (DCP + meta.pt): any strategy
             return _to_device(_stock.read(self.checkpointer, path, weights_only), map_location)
+        if _stock.is_deepspeed_dir(path):  # DeepSpeedStrategy's stock directory, on a strategy without DeepSpeed
+            return _to_device(_stock.read_deepspeed(self.checkpointer, path, weights_only), map_location)
         self._wait_for(path)
         template = self._template_for(self, path) if self._template_for is not None else None
         if template is not None:

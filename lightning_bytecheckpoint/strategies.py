@@ -26,7 +26,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
-from . import _class_switch, _compat, _state
+from . import _class_switch, _compat, _state, _stock
 from . import warm_up as _warm_up
 
 from .checkpoint_io import ByteCheckpointIO
@@ -264,8 +264,15 @@ class _DeepSpeedAdapter(_ShardedSave):
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> Dict[str, Any]:
         path = self.broadcast(str(checkpoint_path))
         io: ByteCheckpointIO = self.checkpoint_io
+        if _stock.is_deepspeed_dir(path):  # DeepSpeed's own directory: into this engine, at any world size
+            state = _stock.deepspeed_template(io.saved_keys(path), ENGINE_KEY, self.deepspeed_engine)
+            # unpickled in full unless weights_only=True, as DeepSpeed's own loader does
+            state = io.load(path, state, weights_only=weights_only is True, process_group=None)
+            state.pop(ENGINE_KEY)
+            state.pop("deepspeed")
+            return state
         if not io.is_bytecheckpoint(path):
-            return super().load_checkpoint(path, weights_only=weights_only)  # DeepSpeed's own directories
+            return super().load_checkpoint(path, weights_only=weights_only)
         state: Dict[str, Any] = {key: None for key in io.saved_keys(path)}
         if ENGINE_KEY not in state:
             raise ValueError(f"{path} was not saved by DeepSpeedStrategy (no {ENGINE_KEY!r}); load it with the "

@@ -14,13 +14,13 @@ import torch.distributed as dist  # noqa: E402
 import bytecheckpoint as bcp  # noqa: E402
 
 
-def stock_save(ds_dir: str, stage: int, oracle: str) -> None:
+def stock_save(ds_dir: str, stage: int, oracle: str, bf16: bool = False) -> None:
     """Train 2 steps under ZeRO-`stage`; DeepSpeed's own save_checkpoint with a client state."""
     import scenarios_deepspeed as S
     S._init()
-    engine = S._engine(stage)
+    engine = S._engine(stage, bf16=bf16)
     for s in range(2):
-        S._step(engine, s)
+        S._step(engine, s, bf16)
     engine.save_checkpoint(ds_dir, tag="global_step2", client_state={"epoch": 3, "sampler": {"seen": 24},
                                                                        "args": argparse.Namespace(lr=1)})
     full = S.full_view(engine)
@@ -82,3 +82,25 @@ def stock_load(ds_dir: str, oracle: str, layout: str) -> None:
 
 def plain_main(ds_dir: str, oracle: str) -> None:
     stock_load(ds_dir, oracle, "plain")
+
+
+def stock_into_engine(ds_dir: str, oracle: str, stage: int, bf16: bool = False) -> None:
+    """The stock folder loaded into a fresh DeepSpeed engine of this world size and ZeRO stage
+    through bcp.load (the engine form of the folder): DeepSpeed's full view equals the one at save;
+    at the saved world size, one more step equals a resume through DeepSpeed's own load_checkpoint."""
+    import scenarios_deepspeed as S
+    S._init()
+    ref = torch.load(oracle)
+    engine = S._engine(stage, seed=123, bf16=bf16)
+    state = bcp.load(ds_dir, {"engine": engine, "deepspeed": None, "epoch": 0, "sampler": None, "args": None},
+                     allow_pickle=True)
+    S._same(ref["full"], S.full_view(engine), f"ZeRO-{stage} on {dist.get_world_size()} vs DeepSpeed's view at save")
+    S._same(ref["buffers"], {n: b.detach().clone() for n, b in engine.module.named_buffers()}, "buffers")
+    assert engine.global_steps == 2 and state["epoch"] == 3, (engine.global_steps, state["epoch"])
+    if dist.get_world_size() == 2:
+        theirs = S._engine(stage, seed=321, bf16=bf16)
+        theirs.load_checkpoint(ds_dir)
+        S._step(engine, 2, bf16)
+        S._step(theirs, 2, bf16)
+        S._same(S._module_params(theirs), S._module_params(engine), "bytecheckpoint vs DeepSpeed's own resume")
+    print(f"rank {dist.get_rank()}: INTO ENGINE ok", flush=True)

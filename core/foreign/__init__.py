@@ -31,6 +31,15 @@ def read_metadata(store: Storage) -> Optional[Metadata]:
     return md
 
 
+def fit(md: Metadata, state) -> Metadata:
+    """A foreign checkpoint in the form a load's template asks for (a DeepSpeed folder loaded into
+    a DeepSpeed engine: the engine's own form, deepspeed_view.py); ours unchanged."""
+    if md.foreign is None:
+        return md
+    from . import deepspeed_view
+    return deepspeed_view.fit(md, state)
+
+
 def _with_info(md: Metadata, **info) -> Metadata:
     from dataclasses import replace
     return replace(md, info={**md.info, **info})

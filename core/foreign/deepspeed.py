@@ -15,7 +15,8 @@ The checkpoint reads as
     optimizer/state/<name>/<key>       exp_avg, exp_avg_sq, step (the optimizer's by-name form)
     optimizer/param_groups/<name>      the hyper-parameters of <name>'s group
     deepspeed                          {global_steps, global_samples, skipped_steps, zero_stage, ...,
-                                        lr_scheduler: the engine's scheduler state}
+                                        lr_scheduler: the engine's scheduler state, param_groups:
+                                        the groups in DCP's name-keyed list form}
     <key>                              every client_state key given to save_checkpoint
 
 so `bcp.load(folder, {"model": model, "optimizer": optimizer})` resumes a plain, DDP or FSDP2 model
@@ -190,11 +191,18 @@ def read_metadata(store: Storage) -> Optional[Metadata]:
             f"{where!r}: DeepSpeed partitioned this checkpoint over {world} ranks but {len(ranks)} optimizer-states "
             f"files are there ({optim}); the save did not finish or files were removed")
     b = _Builder()
-    _params(b, model, ranks, osds, stage, world, where)
+    groups = _params(b, model, ranks, osds, stage, world, where)
+    params = [k[len("model/"):] for k in b.tensors if k.startswith("model/")]
     _buffers(b, model, stage, where)
+    module_names = [k[len("model/"):] for k in b.tensors if k.startswith("model/") and k[6:] not in set(params)]
+    _low_precision(b, model, params)
     tensors, arrays, packs = b.done()
+    lp = {k[len("lp/"):]: tensors.pop(k) for k in [k for k in tensors if k.startswith("lp/")]}
     mv = model.value
-    values = {"deepspeed": {**{k: mv.get(k) for k in _COUNTERS if k in mv}, "zero_stage": stage}}
+    # the optimizer's groups as DCP's name-keyed form lists them (positions for a torch optimizer)
+    by_names = [{**b.hyper[names[0]], "params": names} for names in groups if names]
+    values = {"deepspeed": {**{k: mv.get(k) for k in _COUNTERS if k in mv}, "zero_stage": stage,
+                            "param_groups": by_names}}
     values.update({k: v for k, v in mv.items() if isinstance(k, str) and k not in _ENGINE_KEYS})
     paths = {key: tuple(key.split("/", 3)) if key.startswith("optimizer/") else tuple(key.split("/", 1))
              for key in tensors}
@@ -207,11 +215,12 @@ def read_metadata(store: Storage) -> Optional[Metadata]:
     return Metadata(version=0, save_id=f"deepspeed:{prefix.rstrip('/') or where.rsplit('/', 1)[-1]}",
                     world_size=world, tensors=tensors, arrays=arrays, objects=(),
                     structure=structure(paths, set(tensors)), info=info, packs=packs,
-                    foreign=DeepSpeedObjects(values, prefix + models[0]))
+                    foreign=DeepSpeedObjects(values, prefix + models[0],
+                                             EngineParts(params, module_names, lp, _base_groups(osds[0], stage))))
 
 
 def _params(b: _Builder, model: _Parsed, ranks: List[_Parsed], osds: List[Any], stage: int, world: int,
-            where: str) -> None:
+            where: str) -> List[List[str]]:
     shapes = _field(model, model.value, "param_shapes")
     shapes = shapes if isinstance(shapes, list) else [shapes]
     flat_key, base_key = ("single_partition_of_fp32_groups", "base_optimizer_state") if stage <= 2 else \
@@ -223,8 +232,8 @@ def _params(b: _Builder, model: _Parsed, ranks: List[_Parsed], osds: List[Any], 
                               f"(elastic ZeRO checkpoints?), which bytecheckpoint does not read yet")
     nflat = len(flats[0])
     sizes = [[f.numel for f in fl] for fl in flats]
-    if any(s != sizes[0] for s in sizes) and stage <= 2 or any(len(fl) != nflat for fl in flats):
-        raise CorruptCheckpointError(f"{where!r}: the ranks' fp32 partitions differ in size ({sizes})")
+    if any(len(fl) != nflat for fl in flats):
+        raise CorruptCheckpointError(f"{where!r}: the ranks hold different numbers of fp32 groups ({sizes})")
     paddings = osds[0].get("param_alignment_paddings") if stage <= 2 else None
     # each parameter: (name, shape, the flat group it lives in, runs [(rank, group, pos in group, start, stop)])
     placed: List[Tuple[str, Tuple[int, ...], int, List[Tuple[int, int, int, int, int]]]] = []
@@ -232,16 +241,21 @@ def _params(b: _Builder, model: _Parsed, ranks: List[_Parsed], osds: List[Any], 
         if len(shapes) != nflat:
             raise CorruptCheckpointError(f"{where!r}: {len(shapes)} parameter groups but {nflat} fp32 partitions")
         for g, group in enumerate(shapes):
-            part, off = sizes[0][g], 0
+            # the group's flat vector is the ranks' partitions back to back (zero_to_fp32 concatenates
+            # them; bf16 runs partition unevenly)
+            bounds = [0]
+            for r in range(world):
+                bounds.append(bounds[-1] + sizes[r][g])
+            off = 0
             for i, (name, shape) in enumerate(group.items()):
                 n = math.prod(shape)
-                runs = [(r, g, lo - r * part, lo - off, hi - off) for r in range(world)
-                        for lo, hi in [(max(off, r * part), min(off + n, (r + 1) * part))] if lo < hi]
+                runs = [(r, g, lo - bounds[r], lo - off, hi - off) for r in range(world)
+                        for lo, hi in [(max(off, bounds[r]), min(off + n, bounds[r + 1]))] if lo < hi]
                 placed.append((name, tuple(shape), g, runs))
                 off += n + (paddings[g][i] if paddings else 0)
-            if -(-off // (2 * world)) * 2 * world != -(-part * world // (2 * world)) * 2 * world:
+            if off > bounds[-1] or bounds[-1] - off >= 2 * world:
                 raise CorruptCheckpointError(f"{where!r}: group {g}'s parameters take {off} elements, its partitions "
-                                             f"{part * world}; the model states do not match the optimizer states")
+                                             f"{bounds[-1]}; the model states do not match the optimizer states")
     else:
         starts = [0]
         for n in sizes[0]:
@@ -286,6 +300,7 @@ def _params(b: _Builder, model: _Parsed, ranks: List[_Parsed], osds: List[Any], 
     for alias, source in (model.value.get("shared_params") or {}).items():
         if f"model/{source}" in b.tensors:
             b.alias(f"model/{alias}", f"model/{source}")
+    return [list(group) for group in shapes]
 
 
 def _split(starts: List[int], pos: int, lo: int, hi: int):
@@ -335,6 +350,30 @@ def _buffers(b: _Builder, model: _Parsed, stage: int, where: str) -> None:
         b.whole(f"model/{name}", ref, model.key)
 
 
+def _low_precision(b: _Builder, model: _Parsed, params: List[str]) -> None:
+    """ZeRO-1/2 model states hold every parameter's bf16/fp16 weights whole: kept aside (`lp/<name>`)
+    for a DeepSpeed engine's own low-precision copy (deepspeed_view.py)."""
+    module = model.value.get("module") or {}
+    for name in params:
+        ref = module.get(name)
+        if isinstance(ref, torch_pickle.TensorRef) and ref.dtype != torch.float32 and \
+                ref.shape == b.tensors[f"model/{name}"][1]:
+            b.whole(f"lp/{name}", ref, model.key)
+
+
+def _base_groups(osd: Dict[str, Any], stage: int) -> List[Dict[str, Any]]:
+    base = osd.get("base_optimizer_state" if stage <= 2 else "optimizer_state_dict") or {}
+    return [{k: v for k, v in g.items() if k not in ("params", "param_names")} for g in base.get("param_groups") or []]
+
+
+class EngineParts:
+    """What a DeepSpeed engine's own state form needs beyond the plain view (deepspeed_view.py)."""
+
+    def __init__(self, params: List[str], module_names: List[str], lp: Dict[str, TensorMeta],
+                 groups: List[Dict[str, Any]]):
+        self.params, self.module_names, self.lp, self.groups = params, module_names, lp, groups
+
+
 # ---------------------------------------------------------------- plain values
 
 class DeepSpeedObjects:
@@ -342,8 +381,8 @@ class DeepSpeedObjects:
     value holding tensors reads their bytes; one holding objects of other classes needs
     allow_pickle=True (then the model-states file is unpickled for real)."""
 
-    def __init__(self, values: Dict[str, Any], model_file: str):
-        self.values, self.model_file = values, model_file
+    def __init__(self, values: Dict[str, Any], model_file: str, engine: Optional[EngineParts] = None):
+        self.values, self.model_file, self.engine = values, model_file, engine
         self.where = dict.fromkeys(values, model_file)
 
     def read(self, store: Storage, keys: Sequence[str], allow_pickle: bool) -> Dict[str, Any]:
@@ -386,7 +425,8 @@ class DeepSpeedObjects:
 
 def _from_full(full: Dict[str, Any], key: str, parsed: Any) -> Any:
     if key == "deepspeed":
-        return {**{k: full.get(k) for k in _COUNTERS if k in full}, "zero_stage": parsed["zero_stage"]}
+        return {**{k: full.get(k) for k in _COUNTERS if k in full}, "zero_stage": parsed["zero_stage"],
+                "param_groups": parsed["param_groups"]}
     if key.startswith("optimizer/param_groups/"):
         raise CheckpointError(f"{key}: hyper-parameters holding objects of other classes are not read")
     return full[key]

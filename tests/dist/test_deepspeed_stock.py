@@ -16,10 +16,10 @@ from launcher import HERE, run_ranks  # noqa: E402
 ENV = {"DS_ACCELERATOR": "cpu"}
 
 
-def _save(tmp_path, stage):
+def _save(tmp_path, stage, bf16=False):
     ds_dir, oracle = str(tmp_path / f"ds{stage}"), str(tmp_path / f"oracle{stage}.pt")
-    run_ranks("scenarios_deepspeed_stock:stock_save", 2, {"ds_dir": ds_dir, "stage": stage, "oracle": oracle},
-              timeout=240, extra_env=ENV)
+    run_ranks("scenarios_deepspeed_stock:stock_save", 2, {"ds_dir": ds_dir, "stage": stage, "oracle": oracle,
+                                                          "bf16": bf16}, timeout=240, extra_env=ENV)
     return ds_dir, oracle
 
 
@@ -61,3 +61,24 @@ def test_stock_zero_folder_loads_on_one_plain_process_and_fsdp2(tmp_path, stage)
     os.remove(victim)
     with pytest.raises(bcp.IncompleteCheckpointError, match="2 ranks but 1 optimizer-states"):
         bcp.load_full(ds_dir)
+
+
+@pytest.mark.timeout(900)
+def test_stock_zero2_folder_resumes_deepspeed_engines_of_other_sizes_and_stages(tmp_path):
+    """Into DeepSpeed itself: ZeRO-2 on 2 -> ZeRO-2 on 2 (next step equal to DeepSpeed's own resume),
+    ZeRO-3 on 3 and ZeRO-1 on 1 (DeepSpeed's own loader needs the saved world size)."""
+    ds_dir, oracle = _save(tmp_path, 2)
+    for world, stage in ((2, 2), (3, 3), (1, 1)):
+        outs = run_ranks("scenarios_deepspeed_stock:stock_into_engine", world,
+                         {"ds_dir": ds_dir, "oracle": oracle, "stage": stage}, timeout=240, extra_env=ENV)
+        assert all("INTO ENGINE ok" in o for o in outs), (world, stage)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("saved, into, bf16", [(3, (1, 2), False), (2, (3, 2), True)], ids=["zero3-fp32", "zero2-bf16"])
+def test_stock_folder_into_another_engine(tmp_path, saved, into, bf16):
+    """ZeRO-3 on 2 -> ZeRO-2 on 1; bf16 ZeRO-2 on 2 -> ZeRO-2 on 3 (the bf16 weights from the folder)."""
+    ds_dir, oracle = _save(tmp_path, saved, bf16)
+    outs = run_ranks("scenarios_deepspeed_stock:stock_into_engine", into[0],
+                     {"ds_dir": ds_dir, "oracle": oracle, "stage": into[1], "bf16": bf16}, timeout=240, extra_env=ENV)
+    assert all("INTO ENGINE ok" in o for o in outs)

@@ -69,6 +69,8 @@ def _script(argv: list[str]) -> None:
     p.add_argument("--max-steps", type=int, required=True)
     p.add_argument("--resume", action="store_true")
     p.add_argument("--load-from", default=None, help="no Trainer: Net.load_from_checkpoint(this) vs the oracle")
+    p.add_argument("--stock", action="store_true", help="save with stock DeepSpeedStrategy (no plugin)")
+    p.add_argument("--plain", action="store_true", help="resume on one plain CPU device (no DeepSpeed)")
     args = p.parse_args(argv)
     run = Path(args.out)
     torch.set_num_threads(1)
@@ -95,7 +97,15 @@ def _script(argv: list[str]) -> None:
                 torch.save(view, run / f"oracle_{trainer.global_step}.pt")
 
         def on_train_start(self, trainer, pl_module):
-            if args.resume:
+            if args.resume and args.plain:  # weights and AdamW state as a plain model holds them
+                opt = trainer.optimizers[0]
+                view = {}
+                for n, prm in pl_module.named_parameters():
+                    view[f"{n}.fp32"] = prm.detach().clone()
+                    for k in ("exp_avg", "exp_avg_sq"):
+                        view[f"{n}.{k}"] = opt.state[prm][k].clone()
+                torch.save({"step": trainer.global_step, "view": view}, run / "resumed.pt")
+            elif args.resume:
                 view = full_view(trainer.strategy.deepspeed_engine)
                 torch.save({"step": trainer.global_step, "view": view}, run / "resumed.pt")
 
@@ -110,8 +120,9 @@ def _script(argv: list[str]) -> None:
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(64, 37, generator=g), torch.randn(64, 11, generator=g))
     pl.seed_everything(3 if not args.resume else 99)  # the restart's init must not matter
-    trainer = pl.Trainer(accelerator="cpu", devices=args.devices, strategy=_cpu_deepspeed_strategy(args.stage),
-                         plugins=[ByteCheckpointIO()], max_steps=args.max_steps, logger=False,
+    strategy = "auto" if args.plain else _cpu_deepspeed_strategy(args.stage)
+    trainer = pl.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy,
+                         plugins=[] if args.stock else [ByteCheckpointIO()], max_steps=args.max_steps, logger=False,
                          enable_progress_bar=False, enable_model_summary=False,
                          callbacks=[Oracle(), ModelCheckpoint(dirpath=run / "ckpts", filename="{step}",
                                                               every_n_train_steps=3, save_top_k=-1)])
@@ -161,3 +172,20 @@ def test_deepspeed_strategy_saves_every_rank_and_resumes_on_one_process(tmp_path
                              capture_output=True, text=True, timeout=RUN_TIMEOUT_S, cwd=str(HERE),
                              env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
         assert "LOAD_FROM_CHECKPOINT_OK" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
+
+
+@pytest.mark.parametrize("plain", [False, True], ids=["deepspeed-1-process", "plain-device"])
+def test_stock_deepspeed_directory_resumes_through_the_plugin_on_another_layout(tmp_path, plain):
+    """Stock DeepSpeedStrategy (ZeRO-2, 2 processes, no plugin) writes DeepSpeed's own directories;
+    ByteCheckpointIO resumes them on 1 process under DeepSpeed (DeepSpeed's own loader needs the
+    saved world size) or on one plain device without DeepSpeed: weights, Adam moments and step."""
+    run_ddp(tmp_path, "--stage", "2", "--max-steps", "4", "--stock", script=__file__, reports=False)
+    ckpt = tmp_path / "ckpts" / "step=3.ckpt"
+    assert (ckpt / "latest").is_file(), sorted(p.name for p in ckpt.iterdir())   # DeepSpeed's, not ours
+    run_ddp(tmp_path, "--stage", "2", "--max-steps", "5", "--devices", "1", "--resume",
+            *(["--plain"] if plain else []), script=__file__, reports=False)
+    resumed = torch.load(tmp_path / "resumed.pt", weights_only=False)
+    oracle = torch.load(tmp_path / "oracle_3.pt", weights_only=False)
+    assert resumed["step"] == 3
+    bad = [k for k, v in oracle.items() if not torch.equal(v, resumed["view"][k])]
+    assert not bad, f"differ after the resume: {bad[:5]}"
