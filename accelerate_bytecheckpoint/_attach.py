@@ -30,7 +30,7 @@ import os
 from typing import Any, Callable, Dict, List, Optional
 
 import bytecheckpoint as bcp
-from bytecheckpoint.adapters import fsdp_folders
+from bytecheckpoint.adapters import deepspeed_folders, fsdp_folders
 from bytecheckpoint.adapters.attachment import Attachment, check_target, checkpointer_for
 
 from . import _agreement, _data, _staging
@@ -273,6 +273,9 @@ class ByteCheckpointAttachment(_data.DataOrderMixin, _staging.WarmUpMixin, Metri
             if fsdp_folders.model_dirs(os.fspath(input_dir), len(call.models)):  # stock FSDP sharded folders (DCP)
                 self._load_stock(call, os.fspath(input_dir), targets, models)
                 return
+            if route.optimizers_in_models and deepspeed_folders.accelerate_dirs(os.fspath(input_dir), len(call.models)):
+                self._load_stock_deepspeed(call, os.fspath(input_dir), targets)  # stock DeepSpeed folders
+                return
             self._hand_back_legacy(call, input_dir, path)
             return
         state = self._with_data(self._state(call, targets), path)  # + the loaders' data order, if saved
@@ -386,6 +389,17 @@ class ByteCheckpointAttachment(_data.DataOrderMixin, _staging.WarmUpMixin, Metri
         done = [call.models[i] for i in loaded]
         models[:] = [m for m in models if not _contains(done, m)]  # Accelerate loads none of them again
         logger.info("bytecheckpoint: models/optimizers loaded from Accelerate's FSDP sharded folders in %s", input_dir)
+
+    def _load_stock_deepspeed(self, call: _Call, input_dir: str, targets: List[int]) -> None:
+        """Accelerate's own DeepSpeed folders into these engines, at any process count and ZeRO stage
+        (adapters/deepspeed_folders.py); schedulers, RNG and step stay Accelerate's own files."""
+        dirs = deepspeed_folders.accelerate_dirs(input_dir, len(call.models))
+        for i in targets:
+            if i not in dirs:
+                raise bcp.CheckpointNotFoundError(f"{input_dir}: no DeepSpeed folder for model {i} (found "
+                                                  f"{sorted(os.path.basename(d) for d in dirs.values())})")
+            deepspeed_folders.load_engine(self._ckpt, dirs[i], call.models[i], self._storage)
+        logger.info("bytecheckpoint: DeepSpeed engines loaded from Accelerate's DeepSpeed folders in %s", input_dir)
 
     def _hand_back_legacy(self, call: _Call, input_dir: str, path: str) -> None:
         """A checkpoint written without attach: let Accelerate load models/optimizers itself."""

@@ -32,7 +32,7 @@ from typing import Any, Callable, Dict, Optional
 import torch
 
 import bytecheckpoint as bcp
-from bytecheckpoint.adapters import fsdp_folders
+from bytecheckpoint.adapters import deepspeed_folders, fsdp_folders
 from bytecheckpoint.adapters.attachment import Attachment, check_target, checkpointer_for
 from bytecheckpoint.dist.comm import Comm
 from bytecheckpoint.state.flatten import top_level_placeholders
@@ -261,6 +261,14 @@ class TrainerAttachment(_data.DataOrderMixin, _staging.WarmUpMixin, Attachment):
                 and not getattr(self._trainer, "is_fsdp_enabled", False)
                 and bool(fsdp_folders.model_dirs(os.fspath(folder), 1)))
 
+    def _stock_deepspeed(self, folder: Optional[str]) -> bool:
+        """A folder the stock Trainer wrote under DeepSpeed (`latest` + global_step<N>/), resumed into
+        this engine at any process count and ZeRO stage (adapters/deepspeed_folders.py); the stock
+        Trainer needs the saved world size and stage."""
+        return (self._active and isinstance(folder, (str, os.PathLike)) and not folders.is_ours(folder)
+                and getattr(self._trainer, "is_deepspeed_enabled", False)
+                and deepspeed_folders.is_folder(os.fspath(folder)))
+
     def _w_load_optimizer_and_scheduler(self, original: Callable, checkpoint: Optional[str]) -> None:
         if not self._stock_fsdp(checkpoint):
             return original(checkpoint)
@@ -275,6 +283,15 @@ class TrainerAttachment(_data.DataOrderMixin, _staging.WarmUpMixin, Attachment):
 
     def _w_prepare_for_training(self, original: Callable, max_steps: int, train_dataloader: Any,
                                 resume_from_checkpoint: Optional[str]) -> Any:
+        if self._stock_deepspeed(resume_from_checkpoint):  # DeepSpeed's own folder, at any process count
+            result = self._data_prepared(original(max_steps, train_dataloader, None))  # without the stock loads
+            tr = self._trainer
+            deepspeed_folders.load_engine(self._ckpt, os.fspath(resume_from_checkpoint), tr.model_wrapped,
+                                          self._storage)
+            tr._load_optimizer_and_scheduler(resume_from_checkpoint)  # stock: the scheduler's own file
+            tr._load_scaler(resume_from_checkpoint)
+            logger.info("bytecheckpoint: the DeepSpeed engine loaded from the stock folder %s", resume_from_checkpoint)
+            return result
         if not self._active or resume_from_checkpoint is None or not folders.is_ours(resume_from_checkpoint):
             return self._data_prepared(original(max_steps, train_dataloader, resume_from_checkpoint))
         result = self._data_prepared(original(max_steps, train_dataloader, None))  # prepare without the stock loads

@@ -40,8 +40,10 @@ PRIVATE: Dict[str, Tuple[Tuple[str, ...], str]] = {
     "_get_output_dir": (("trial",), "the run directory of the checkpoint folders"),
     "_load_from_checkpoint": (("resume_from_checkpoint", "model"), "loading model weights on resume"),
     "_prepare_for_training": (("max_steps", "train_dataloader", "resume_from_checkpoint"), "loading on resume"),
-    "_load_optimizer_and_scheduler": (("checkpoint",), "a stock FSDP sharded folder resumed without FSDP"),
+    "_load_optimizer_and_scheduler": (("checkpoint",), "a stock FSDP sharded folder resumed without FSDP; the "
+                                                       "scheduler of a stock DeepSpeed folder"),
     "_load_rng_state": (("checkpoint",), "restoring RNG states on resume"),
+    "_load_scaler": (("checkpoint",), "a stock DeepSpeed folder: the scaler as stock, after the engine"),
     "_load_best_model": ((), "load_best_model_at_end"),
     "_finalize_training": (("trial", "num_train_samples", "start_time"), "the end of train()"),
 }

@@ -192,9 +192,11 @@ def read_metadata(store: Storage) -> Optional[Metadata]:
             f"files are there ({optim}); the save did not finish or files were removed")
     b = _Builder()
     groups = _params(b, model, ranks, osds, stage, world, where)
-    params = [k[len("model/"):] for k in b.tensors if k.startswith("model/")]
+    params = [name for names in groups for name in names]   # trainable, each once (tied aliases are not)
+    aliases = set(model.value.get("shared_params") or {})
     _buffers(b, model, stage, where)
-    module_names = [k[len("model/"):] for k in b.tensors if k.startswith("model/") and k[6:] not in set(params)]
+    module_names = [k[len("model/"):] for k in b.tensors if k.startswith("model/") and k[6:] not in set(params)
+                    and k[6:] not in aliases]
     _low_precision(b, model, params)
     tensors, arrays, packs = b.done()
     lp = {k[len("lp/"):]: tensors.pop(k) for k in [k for k in tensors if k.startswith("lp/")]}

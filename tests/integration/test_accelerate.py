@@ -382,3 +382,16 @@ def test_deepspeed_save_state_on_every_process_resumes_on_1_and_3(tmp_path: Path
     for n in (1, 3):
         out = launch(n, "deepspeed_resume.py", "--mode", "load", "--dir", str(tmp_path), "--stage", str(stage))
         assert f"LOADED OK on {n}" in out, out[-3000:]
+
+
+def test_stock_deepspeed_folders_resume_on_another_process_count(tmp_path, monkeypatch):
+    """save_state without attach (Accelerate's own DeepSpeed folder, ZeRO-2 on 2 processes), then
+    load_state with attach on 1 and 3 processes as ZeRO-3, which DeepSpeed's own loader cannot:
+    fp32 master weights and Adam moments equal DeepSpeed's full view at save time."""
+    pytest.importorskip("deepspeed")
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    out = launch(2, "deepspeed_resume.py", "--mode", "save", "--dir", str(tmp_path), "--stage", "2", "--stock")
+    assert "'pytorch_model'" in out and "bytecheckpoint" not in out.split("FILES", 1)[1][:200], out[-3000:]
+    for n in (1, 3):
+        out = launch(n, "deepspeed_resume.py", "--mode", "load", "--dir", str(tmp_path), "--stage", "3")
+        assert f"LOADED OK on {n}" in out, out[-3000:]

@@ -288,6 +288,25 @@ def test_deepspeed_saved_on_2_resumed_on_1_other_stage(tmp_path: Path, ddp: Path
 
 
 @pytest.mark.slow  # make test-slow: other layouts of the same Trainer route
+def test_stock_deepspeed_folder_resumes_on_1_process_as_zero3(tmp_path: Path, ddp: Path) -> None:
+    """Switching: a run checkpointed by the stock Trainer under ZeRO-2 on 2 processes (DeepSpeed's
+    own global_step4/ folder) resumes attached on 1 process as ZeRO-3, which the stock Trainer
+    cannot: DeepSpeed's full view right after the load equals the one at save, bit for bit, and the
+    run goes on as the stock DDP resume of the same script."""
+    pytest.importorskip("deepspeed")
+    launch(2, "--out", str(tmp_path / "o"), "--deepspeed", "2", "--state-at", "4", "--dump", str(tmp_path / "save.pt"),
+           env=DS_ENV)
+    assert "global_step4" in os.listdir(tmp_path / "o" / "checkpoint-4")
+    launch(1, "--out", str(tmp_path / "o"), "--deepspeed", "3", "--attach", "sync", "--state-at", "4",
+           "--resume", str(tmp_path / "o" / "checkpoint-4"), "--dump", str(tmp_path / "load.pt"), env=DS_ENV)
+    saved, loaded = dump(tmp_path / "save.pt")["views"]["saved"], dump(tmp_path / "load.pt")
+    assert saved.keys() == loaded["views"]["loaded"].keys()
+    for k in saved:
+        assert torch.equal(loaded["views"]["loaded"][k], saved[k]), k
+    assert loaded["losses"] == dump(ddp / "stock_1.pt")["losses"]
+    assert loaded["info"]["global_step"] == 6
+
+
 def test_deepspeed_zero1_resumed_on_2_bit_exact_with_stock(tmp_path: Path) -> None:
     """Where the stock Trainer can resume (DeepSpeed's own checkpoint, same world size and stage):
     the attached ZeRO-1 resume is the same run, bit for bit (fp32 master weights, losses, step)."""
