@@ -2,18 +2,15 @@
 or one torch.save file, keyed as a framework writes it (`bytecheckpoint convert`, docs/switching.md).
 
 The saved state is rebuilt as the nested dict a framework would hand to dcp.save, with every tensor a
-placeholder (`Lazy`); a layout (torchtitan, lightning) re-keys it; the DCP writer then walks it with
-DCP's own traversal rule and reads, writes and frees one tensor at a time, so memory holds one
-tensor, not the model. DCP's `.metadata` (pickled with torch's own DCP classes) is written last,
-under a temporary name renamed into place: a converted directory is complete or absent.
+placeholder (`Lazy`); a layout (torchtitan, lightning) re-keys it; its leaves, by DCP's own traversal
+rule, go to the DCP writer (dcp_writer.py), whose writers each read, write and free one tensor at a
+time, so memory holds a tensor per writer, not the model. `.metadata` is written last: a converted
+directory is complete or absent.
 torch.save needs the whole dict in memory at once (one pickle), as any .ckpt file does.
 """
 from __future__ import annotations
 
-import io
 import os
-import pickle
-import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -26,10 +23,10 @@ from ..pipeline.workers import Workers
 from ..state.flatten import build_from_structure, structure_leaves
 from ..state.optimizer_form import keyed_by_names, names_to_positions
 from ..storage import Storage
+from . import dcp_writer
 
 LAYOUTS = ("plain", "torchtitan", "lightning")
 TARGETS = ("dcp", "torch")
-DCP_DATA_FILE = "__0_0.distcp"
 
 
 @dataclass
@@ -45,8 +42,8 @@ class ConvertResult:
 class Lazy:
     """A saved tensor not read yet: `load()` reads it whole (one tensor's memory)."""
 
-    def __init__(self, key: str, reader: Callable[[str], torch.Tensor]):
-        self.key, self._reader = key, reader
+    def __init__(self, key: str, reader: Callable[[str], torch.Tensor], nbytes: int = 0):
+        self.key, self._reader, self.nbytes = key, reader, nbytes
 
     def load(self) -> torch.Tensor:
         return self._reader(self.key)
@@ -59,7 +56,7 @@ def saved_state(store: Storage, md: Metadata, workers: Workers, allow_pickle: bo
 
     def read(key: str) -> torch.Tensor:
         return read_full_tensors(store, workers, md, [key])[key]
-    tensors = {k: Lazy(k, read) for k, kind in leaves.items() if kind == "tensor"}
+    tensors = {k: Lazy(k, read, md.tensors[k].nbytes) for k, kind in leaves.items() if kind == "tensor"}
     state = build_from_structure(md.structure, tensors, objects)
     if not isinstance(state, dict):
         raise CheckpointError("convert: the saved state is not a dict")
@@ -167,53 +164,18 @@ def dcp_leaves(state: Dict[str, Any]) -> List[Tuple[Tuple[Any, ...], Any]]:
     return out
 
 
-def write_dcp(state: Dict[str, Any], dst: str, progress: Optional[Callable[[int, int], None]] = None
+def write_dcp(state: Dict[str, Any], dst: str, progress: Optional[Callable[[int, int], None]] = None,
+              writers: int = 4, read_many: Optional[Callable[[List[str]], Dict[str, torch.Tensor]]] = None
               ) -> ConvertResult:
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata as DcpMd,
-                                                       MetadataIndex, StorageMeta, TensorProperties,
-                                                       TensorStorageMetadata)
-    result = ConvertResult("dcp", "", files=[DCP_DATA_FILE, ".metadata"])
-    leaves = dcp_leaves(state)
-    items: Dict[str, Any] = {}
-    where: Dict[Any, Any] = {}
-    mapping: Dict[str, Tuple[Any, ...]] = {}
-    with open(os.path.join(dst, DCP_DATA_FILE), "wb") as f:
-        for n, (path, value) in enumerate(leaves):
-            fqn = ".".join(map(str, path))
-            mapping[fqn] = path
-            start = f.tell()
-            if isinstance(value, (torch.Tensor, Lazy)):
-                tensor = (value.load() if isinstance(value, Lazy) else value).detach().cpu().contiguous()
-                torch.save(tensor, f)
-                zeros = torch.Size([0] * tensor.dim())
-                items[fqn] = TensorStorageMetadata(TensorProperties(dtype=tensor.dtype), tensor.size(),
-                                                   [ChunkStorageMetadata(zeros, tensor.size())])
-                where[MetadataIndex(fqn, zeros)] = _StorageInfo(DCP_DATA_FILE, start, f.tell() - start)
-                result.tensors += 1
-                result.nbytes += tensor.numel() * tensor.element_size()
-                del tensor
-            else:
-                buf = io.BytesIO()
-                torch.save(value, buf)
-                f.write(buf.getbuffer())
-                items[fqn] = BytesStorageMetadata()
-                where[MetadataIndex(fqn)] = _StorageInfo(DCP_DATA_FILE, start, f.tell() - start)
-                result.values += 1
-            if progress:
-                progress(n + 1, len(leaves))
-        f.flush()
-        os.fsync(f.fileno())
-    md = DcpMd(state_dict_metadata=items, planner_data=mapping, storage_data=where,
-               storage_meta=StorageMeta(checkpoint_id=dst, save_id=uuid.uuid4().hex))
-    md.version = "1.0.0"  # torch.distributed.checkpoint.filesystem.CURRENT_DCP_VERSION (torch 2.11-2.15)
-    tmp = os.path.join(dst, ".metadata.tmp")
-    with open(tmp, "wb") as f:
-        pickle.dump(md, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(dst, ".metadata"))  # the commit point, last
-    return result
+    """The state as a DCP directory (tools/dcp_writer.py: several writers, each a batch of tensors in
+    memory; `read_many` reads a batch of saved tensors at once)."""
+    def leaf(path: Tuple[Any, ...], value: Any) -> dcp_writer.Leaf:
+        if isinstance(value, Lazy):
+            return dcp_writer.Leaf(path, True, value.load, value.key, value.nbytes)
+        return dcp_writer.Leaf(path, isinstance(value, torch.Tensor), lambda: value)
+    tensors, values, nbytes, files = dcp_writer.write([leaf(p, v) for p, v in dcp_leaves(state)], dst, writers,
+                                                      progress, read_many)
+    return ConvertResult("dcp", "", tensors, values, nbytes, files)
 
 
 def write_torch(state: Dict[str, Any], dst: str) -> ConvertResult:
@@ -255,7 +217,9 @@ def convert(store: Storage, md: Metadata, dst: str, *, to: str, layout: str = "p
         state = _LAYOUT_FNS[layout](saved_state(store, md, workers, allow_pickle))
         if to == "dcp":
             os.makedirs(dst, exist_ok=True)
-            result = write_dcp(state, dst, progress)
+            # a writer per core: each reads its batch and crc32s and writes it, mostly outside the GIL
+            result = write_dcp(state, dst, progress, writers=max(1, min(threads, os.cpu_count() or 1)),
+                               read_many=lambda keys: read_full_tensors(store, workers, md, keys))
         else:
             os.makedirs(os.path.dirname(os.path.abspath(dst)), exist_ok=True)
             result = write_torch(state, dst)
