@@ -209,18 +209,42 @@ def cmd_convert(args) -> int:
                                              push_to_hub=None, private=False, json=False))
     from ..checkpointer import default_checkpointer
     from .convert import convert
+    comm = _torchrun_comm()
     ckpt = default_checkpointer()
     md = ckpt.metadata(args.src)
-    show = sys.stderr.isatty()
-    result = convert(ckpt.storage(args.src), md, args.dst, to=args.to, layout=args.layout,
-                     threads=ckpt.options.threads, allow_pickle=args.allow_pickle, overwrite=args.overwrite,
-                     progress=_bar(show, str))
+    show = sys.stderr.isatty() and (comm is None or comm.is_coordinator)
+    try:
+        result = convert(ckpt.storage(args.src), md, args.dst, to=args.to, layout=args.layout,
+                         threads=ckpt.options.threads, allow_pickle=args.allow_pickle, overwrite=args.overwrite,
+                         progress=_bar(show, str), comm=comm)
+    finally:
+        if comm is not None:
+            import torch.distributed as dist
+            dist.destroy_process_group()
     if show:
         sys.stderr.write("\n")
-    source = "PyTorch DCP" if md.info.get("format") == "dcp" else "bytecheckpoint"
+    if comm is not None and not comm.is_coordinator:
+        return 0
+    source = {"dcp": "PyTorch DCP", "deepspeed": "DeepSpeed"}.get(md.info.get("format"), "bytecheckpoint")
     print(f"converted {args.src} ({source}) to {args.dst} ({args.to}, {args.layout} layout): {result.tensors} tensors "
           f"({_human(result.nbytes)}), {result.values} plain values; files: {', '.join(result.files)}")
     return 0
+
+
+def _torchrun_comm():
+    """Under torchrun (WORLD_SIZE > 1): a gloo process group over the launched processes, each
+    converting its share; None for one process. Its collectives are bounded by the group's timeout."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    import datetime
+
+    import torch.distributed as dist
+
+    from ..dist.comm import Comm
+    if not dist.is_initialized():
+        timeout = float(os.environ.get("BCP_COLLECTIVE_TIMEOUT_S", "1800"))
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout))
+    return Comm(None)
 
 
 def cmd_import(args) -> int:
@@ -316,16 +340,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("convert", help="write a checkpoint (ours or PyTorch DCP) as PyTorch DCP, torch.save or "
                                        "safetensors, keyed as a framework writes it",
-                       description="Leave bytecheckpoint: SRC (detected: bytecheckpoint or PyTorch DCP) written to "
-                                   "DST as a PyTorch DCP directory (dcp.load, torchtitan's own manager), one torch.save "
-                                   "file (Lightning .ckpt with --layout lightning) or safetensors (= export). "
-                                   "DCP output holds one tensor in memory at a time. docs/switching.md")
+                       description="Leave bytecheckpoint: SRC (detected: bytecheckpoint, PyTorch DCP or DeepSpeed) "
+                                   "written to DST as a PyTorch DCP directory (dcp.load, torchtitan's own manager, "
+                                   "Accelerate's FSDP sharded folders), one torch.save file (Lightning .ckpt with "
+                                   "--layout lightning) or safetensors (= export). DCP output holds a 32 MiB batch of "
+                                   "tensors per writer in memory; under torchrun every process writes its share. "
+                                   "docs/switching.md")
     s.add_argument("src", metavar="SRC", help="checkpoint (directory or URL)")
     s.add_argument("dst", metavar="DST", help="output (local directory for dcp/safetensors, file for torch)")
     s.add_argument("--to", choices=["dcp", "torch", "safetensors"], required=True, help="output format")
-    s.add_argument("--layout", choices=["plain", "torchtitan", "lightning"], default="plain",
+    s.add_argument("--layout", choices=["plain", "torchtitan", "lightning", "accelerate"], default="plain",
                    help="key layout: plain (the saved nesting), torchtitan (its DCP CheckpointManager's), "
-                        "lightning (its checkpoint dict)")
+                        "lightning (its checkpoint dict), accelerate (SRC: attach's <save_state dir>/bytecheckpoint; "
+                        "DST: a save_state folder of FSDP SHARDED_STATE_DICT DCP folders)")
     s.add_argument("--allow-pickle", action="store_true", help="decode pickled plain values (trusted sources only)")
     s.add_argument("--overwrite", action="store_true", help="replace an existing output")
     s.set_defaults(func=cmd_convert)

@@ -11,12 +11,14 @@ torch.save needs the whole dict in memory at once (one pickle), as any .ckpt fil
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from ..common.errors import CheckpointError, CheckpointExistsError
+from ..dist.comm import LOCAL, Comm
 from ..format.metadata import Metadata
 from ..pipeline.load import read_full_tensors, read_objects
 from ..pipeline.workers import Workers
@@ -25,7 +27,7 @@ from ..state.optimizer_form import keyed_by_names, names_to_positions
 from ..storage import Storage
 from . import dcp_writer
 
-LAYOUTS = ("plain", "torchtitan", "lightning")
+LAYOUTS = ("plain", "torchtitan", "lightning", "accelerate")
 TARGETS = ("dcp", "torch")
 
 
@@ -129,7 +131,26 @@ def lightning_layout(state: Dict[str, Any]) -> Dict[str, Any]:
     return out
 
 
-_LAYOUT_FNS = {"plain": plain_layout, "torchtitan": torchtitan_layout, "lightning": lightning_layout}
+def accelerate_layout(state: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
+    """accelerate_bytecheckpoint.attach's saved form -> what Accelerate's FSDP SHARDED_STATE_DICT
+    save_state writes, one DCP directory per object: `pytorch_model_fsdp_<i>/` ({"model": state
+    dict}) and `optimizer_<i>/` ({"optimizer": parameter-name-keyed state})."""
+    out: Dict[str, Dict[str, Any]] = {}
+    for key, value in state.items():
+        model, optimizer = re.fullmatch(r"model(?:_(\d+))?", key), re.fullmatch(r"optimizer(?:_(\d+))?", key)
+        if model and isinstance(value, dict):
+            out[f"pytorch_model_fsdp_{int(model.group(1) or 0)}"] = {"model": value}
+        elif optimizer and _our_optimizer(value):
+            out[f"optimizer_{int(optimizer.group(1) or 0)}"] = {"optimizer": _dcp_optimizer(value)}
+    if "pytorch_model_fsdp_0" not in out:
+        raise CheckpointError("convert --layout accelerate: no 'model' key (not saved by accelerate_bytecheckpoint's "
+                              "attach; pass its save_state folder's bytecheckpoint/ subfolder)")
+    return out
+
+
+_LAYOUT_FNS = {"plain": plain_layout, "torchtitan": torchtitan_layout, "lightning": lightning_layout,
+               "accelerate": accelerate_layout}
+ACCELERATE_SUBDIR = "bytecheckpoint"   # accelerate_bytecheckpoint's folder inside a save_state folder
 
 
 # ---------------------------------------------------------------- writers
@@ -165,16 +186,25 @@ def dcp_leaves(state: Dict[str, Any]) -> List[Tuple[Tuple[Any, ...], Any]]:
 
 
 def write_dcp(state: Dict[str, Any], dst: str, progress: Optional[Callable[[int, int], None]] = None,
-              writers: int = 4, read_many: Optional[Callable[[List[str]], Dict[str, torch.Tensor]]] = None
-              ) -> ConvertResult:
+              writers: int = 4, read_many: Optional[Callable[[List[str]], Dict[str, torch.Tensor]]] = None,
+              comm: Optional[Comm] = None) -> ConvertResult:
     """The state as a DCP directory (tools/dcp_writer.py: several writers, each a batch of tensors in
-    memory; `read_many` reads a batch of saved tensors at once)."""
+    memory; `read_many` reads a batch of saved tensors at once). Under a process group every rank
+    writes its share; the coordinator writes `.metadata` once all have (collective)."""
+    comm = comm if comm is not None else Comm(LOCAL)
+
     def leaf(path: Tuple[Any, ...], value: Any) -> dcp_writer.Leaf:
         if isinstance(value, Lazy):
             return dcp_writer.Leaf(path, True, value.load, value.key, value.nbytes)
         return dcp_writer.Leaf(path, isinstance(value, torch.Tensor), lambda: value)
-    tensors, values, nbytes, files = dcp_writer.write([leaf(p, v) for p, v in dcp_leaves(state)], dst, writers,
-                                                      progress, read_many)
+    leaves = [leaf(p, v) for p, v in dcp_leaves(state)]
+    placed = comm.run(lambda: dcp_writer.write_share(leaves, dst, comm.rank, comm.world_size, writers, progress,
+                                                     read_many), "converting")
+    shares = comm.gather(placed)
+
+    def commit():
+        return dcp_writer.write_metadata(leaves, {n: p for share in shares for n, p in share.items()}, dst)
+    tensors, values, nbytes, files = comm.run_on_coordinator(commit, "writing the DCP .metadata")
     return ConvertResult("dcp", "", tensors, values, nbytes, files)
 
 
@@ -199,11 +229,28 @@ def write_torch(state: Dict[str, Any], dst: str) -> ConvertResult:
     return result
 
 
+def _accelerate_siblings(src: str, dst: str) -> List[str]:
+    """The files Accelerate wrote itself beside attach's folder (RNG states, schedulers, registered
+    objects), copied so the converted folder is a whole save_state folder."""
+    import shutil
+    src = src.rstrip("/")
+    if "://" in src or os.path.basename(src) != ACCELERATE_SUBDIR:
+        return []
+    parent, copied = os.path.dirname(src), []
+    for name in sorted(os.listdir(parent)):
+        path = os.path.join(parent, name)
+        if name != ACCELERATE_SUBDIR and os.path.isfile(path):
+            shutil.copy2(path, os.path.join(dst, name))
+            copied.append(name)
+    return copied
+
+
 def convert(store: Storage, md: Metadata, dst: str, *, to: str, layout: str = "plain", threads: int = 4,
             allow_pickle: bool = False, overwrite: bool = False,
-            progress: Optional[Callable[[int, int], None]] = None) -> ConvertResult:
+            progress: Optional[Callable[[int, int], None]] = None, comm: Optional[Comm] = None) -> ConvertResult:
     """Write the checkpoint (`store`, `md`) to the local path `dst` as `to` ("dcp": a directory,
-    "torch": one file), keyed as `layout` writes it."""
+    "torch": one file), keyed as `layout` writes it. With `comm` (a process group, e.g. under
+    torchrun) every rank converts its share of a DCP output, into the same directory."""
     if to not in TARGETS:
         raise CheckpointError(f"convert: --to must be one of {TARGETS}, got {to!r} (safetensors: bytecheckpoint "
                               f"export)")
@@ -211,17 +258,39 @@ def convert(store: Storage, md: Metadata, dst: str, *, to: str, layout: str = "p
         raise CheckpointError(f"convert: --layout must be one of {LAYOUTS}, got {layout!r}")
     if "://" in dst:
         raise CheckpointError(f"convert: the output must be a local path, got {dst!r}")
-    if os.path.exists(dst) and not overwrite and (to == "torch" or os.listdir(dst)):
-        raise CheckpointExistsError(f"convert: {dst!r} exists; pass --overwrite or another path")
-    with Workers(threads) as workers:
-        state = _LAYOUT_FNS[layout](saved_state(store, md, workers, allow_pickle))
+    if layout == "accelerate" and to != "dcp":
+        raise CheckpointError("convert --layout accelerate writes Accelerate's FSDP sharded folders: use --to dcp")
+    comm = comm if comm is not None else Comm(LOCAL)
+
+    def prepare() -> None:
+        if os.path.exists(dst) and not overwrite and (to == "torch" or os.listdir(dst)):
+            raise CheckpointExistsError(f"convert: {dst!r} exists; pass --overwrite or another path")
         if to == "dcp":
             os.makedirs(dst, exist_ok=True)
-            # a writer per core: each reads its batch and crc32s and writes it, mostly outside the GIL
-            result = write_dcp(state, dst, progress, writers=max(1, min(threads, os.cpu_count() or 1)),
-                               read_many=lambda keys: read_full_tensors(store, workers, md, keys))
+            if os.path.exists(os.path.join(dst, ".metadata")):  # overwriting: never complete until the new one
+                os.remove(os.path.join(dst, ".metadata"))
         else:
             os.makedirs(os.path.dirname(os.path.abspath(dst)), exist_ok=True)
-            result = write_torch(state, dst)
+    comm.run_on_coordinator(prepare, f"preparing {dst}")
+    with Workers(threads) as workers:
+        state = _LAYOUT_FNS[layout](saved_state(store, md, workers, allow_pickle))
+        # a writer per core: each reads its batch and crc32s and writes it, mostly outside the GIL
+        writers = max(1, min(threads, os.cpu_count() or 1))
+
+        def read_many(keys):
+            return read_full_tensors(store, workers, md, keys)
+        if layout == "accelerate":
+            result = ConvertResult("dcp", layout)
+            for sub, part in state.items():
+                comm.run_on_coordinator(lambda: os.makedirs(os.path.join(dst, sub), exist_ok=True), "preparing")
+                done = write_dcp(part, os.path.join(dst, sub), progress, writers, read_many, comm)
+                result.tensors, result.values = result.tensors + done.tensors, result.values + done.values
+                result.nbytes += done.nbytes
+                result.files += [f"{sub}/{f}" for f in done.files]
+            result.files += comm.run_on_coordinator(lambda: _accelerate_siblings(store.url, dst), "copying")
+        elif to == "dcp":
+            result = write_dcp(state, dst, progress, writers, read_many, comm)
+        else:  # one pickle of the whole dict: the coordinator writes it
+            result = comm.run_on_coordinator(lambda: write_torch(state, dst), f"writing {dst}")
     result.layout = layout
     return result

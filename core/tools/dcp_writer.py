@@ -137,21 +137,31 @@ def batches(leaves: Sequence[Leaf], limit: int = BATCH_BYTES) -> List[List[int]]
     return out
 
 
+Placed = Dict[int, Tuple[str, int, int, Any]]   # leaf index -> (file, start, length, (dtype, size) | None)
+
+
 def write(leaves: Sequence[Leaf], dst: str, writers: int = 4,
           progress: Optional[Callable[[int, int], None]] = None,
           read_many: Optional[Callable[[List[str]], Dict[str, torch.Tensor]]] = None) -> Tuple[int, int, int, List[str]]:
     """Write every leaf into `dst` (a directory) as DCP; returns (tensors, values, tensor bytes, files)."""
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
-                                                       MetadataIndex, StorageMeta, TensorProperties,
-                                                       TensorStorageMetadata)
-    writers = max(1, min(writers, len(leaves) or 1))
-    files = [f"__0_{w}.distcp" for w in range(writers)]
+    placed = write_share(leaves, dst, 0, 1, writers, progress, read_many)
+    return write_metadata(leaves, placed, dst)
+
+
+def write_share(leaves: Sequence[Leaf], dst: str, rank: int, world: int, writers: int = 4,
+                progress: Optional[Callable[[int, int], None]] = None,
+                read_many: Optional[Callable[[List[str]], Dict[str, torch.Tensor]]] = None) -> Placed:
+    """This rank's share of the leaves (batches rank, rank + world, ...) into files `__<rank>_<w>.distcp`
+    of `dst`; where each leaf went (write_metadata merges every rank's)."""
+    mine = batches(leaves)[rank::world]
+    writers = max(1, min(writers, len(mine) or 1))
+    files = [f"__{rank}_{w}.distcp" for w in range(writers)]
     todo: "queue.Queue[List[int]]" = queue.Queue()
-    for batch in batches(leaves):
+    for batch in mine:
         todo.put(batch)
-    placed: Dict[int, Tuple[str, int, int, Any]] = {}
-    counts = {"tensors": 0, "values": 0, "nbytes": 0, "done": 0}
+    total = sum(len(b) for b in mine)
+    placed: Placed = {}
+    counts = {"done": 0}
     lock = threading.Lock()
     failed: List[BaseException] = []
 
@@ -174,31 +184,28 @@ def write(leaves: Sequence[Leaf], dst: str, writers: int = 4,
             os.fsync(f.fileno())
 
     def one(f, w: int, n: int, leaf: Leaf, value: Any) -> None:
-            start = f.tell()
-            if leaf.is_tensor:
-                tensor = value.detach().cpu().contiguous()
-                parts = tensor_archive(tensor)
-                if parts is None:
-                    torch.save(tensor, f)
-                else:
-                    for p in parts:
-                        f.write(p)
-                meta = (tensor.dtype, tensor.size())
-                nbytes = tensor.numel() * tensor.element_size()
-                del tensor, value, parts
+        start = f.tell()
+        if leaf.is_tensor:
+            tensor = value.detach().cpu().contiguous()
+            parts = tensor_archive(tensor)
+            if parts is None:
+                torch.save(tensor, f)
             else:
-                buf = io.BytesIO()
-                torch.save(value, buf)
-                f.write(buf.getbuffer())
-                meta, nbytes = None, 0
-            with lock:
-                placed[n] = (files[w], start, f.tell() - start, meta)
-                counts["tensors" if leaf.is_tensor else "values"] += 1
-                counts["nbytes"] += nbytes
-                counts["done"] += 1
-                done = counts["done"]
-            if progress:
-                progress(done, len(leaves))
+                for p in parts:
+                    f.write(p)
+            meta = (tensor.dtype, tuple(tensor.size()))
+            del tensor, value, parts
+        else:
+            buf = io.BytesIO()
+            torch.save(value, buf)
+            f.write(buf.getbuffer())
+            meta = None
+        with lock:
+            placed[n] = (files[w], start, f.tell() - start, meta)
+            counts["done"] += 1
+            done = counts["done"]
+        if progress:
+            progress(done, total)
 
     threads = [threading.Thread(target=run, args=(w,), name=f"bcp-convert-{w}") for w in range(writers)]
     for t in threads:
@@ -207,6 +214,20 @@ def write(leaves: Sequence[Leaf], dst: str, writers: int = 4,
         t.join()
     if failed:
         raise failed[0]
+    return placed
+
+
+def write_metadata(leaves: Sequence[Leaf], placed: Placed, dst: str) -> Tuple[int, int, int, List[str]]:
+    """DCP's `.metadata` for the leaves as `placed` (every rank's share), written last under a
+    temporary name renamed into place; returns (tensors, values, tensor bytes, files)."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
+                                                       MetadataIndex, StorageMeta, TensorProperties,
+                                                       TensorStorageMetadata)
+    missing = [".".join(map(str, leaves[n].path)) for n in range(len(leaves)) if n not in placed]
+    if missing:
+        raise RuntimeError(f"convert: no writer wrote {missing[:5]} ({len(missing)} items)")
+    tensors = values = nbytes = 0
     items: Dict[str, Any] = {}
     where: Dict[Any, Any] = {}
     mapping: Dict[str, Tuple[Any, ...]] = {}
@@ -217,8 +238,12 @@ def write(leaves: Sequence[Leaf], dst: str, writers: int = 4,
         if meta is None:
             items[fqn] = BytesStorageMetadata()
             where[MetadataIndex(fqn)] = _StorageInfo(file, start, length)
+            values += 1
             continue
         dtype, size = meta
+        size = torch.Size(size)
+        tensors += 1
+        nbytes += size.numel() * torch.empty((), dtype=dtype).element_size()
         zeros = torch.Size([0] * len(size))
         items[fqn] = TensorStorageMetadata(TensorProperties(dtype=dtype), size, [ChunkStorageMetadata(zeros, size)])
         where[MetadataIndex(fqn, zeros)] = _StorageInfo(file, start, length)
@@ -231,4 +256,4 @@ def write(leaves: Sequence[Leaf], dst: str, writers: int = 4,
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, os.path.join(dst, ".metadata"))  # the commit point, last
-    return counts["tensors"], counts["values"], counts["nbytes"], files + [".metadata"]
+    return tensors, values, nbytes, sorted({p[0] for p in placed.values()}) + [".metadata"]

@@ -279,6 +279,27 @@ def test_stock_fsdp_sharded_folders_resume_on_one_plain_process_and_on_fsdp(tmp_
         assert_tensors_equal(loaded["optim"], saved["optim"], f"stock FSDP(2) -> {tag}: optimizer")
 
 
+def test_leaving_convert_layout_accelerate_resumes_in_stock_accelerate(tmp_path: Path) -> None:
+    """Leaving: an attached FSDP2 save_state on 2 processes, `bytecheckpoint convert --layout accelerate`,
+    and stock Accelerate (no attach, FSDP2 SHARDED_STATE_DICT) load_state resumes it on 2 processes
+    with the saved weights and optimizer state."""
+    ckpt, conv, out = tmp_path / "ckpt", tmp_path / "converted", tmp_path / "out"
+    out.mkdir()
+    forced = ("--force-cpu", "--fsdp-version", "2", "--state-dict-type", "SHARDED_STATE_DICT")
+    launch(2, "fsdp_resume.py", "save", str(ckpt), str(out), *forced, timeout=240)
+    done = subprocess.run([sys.executable, "-m", "bytecheckpoint", "convert", str(ckpt / "bytecheckpoint"), str(conv),
+                           "--to", "dcp", "--layout", "accelerate"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    files = sorted(os.listdir(conv))
+    assert {"pytorch_model_fsdp_0", "optimizer_0"} <= set(files) and "bytecheckpoint" not in files, files
+    assert any(f.startswith("random_states_") for f in files), files   # Accelerate's own files come along
+    launch(2, "fsdp_resume.py", "load", str(conv), str(out), *forced, "--stock", "--tag", "stock", timeout=240)
+    saved, loaded = load_dump(out / "saved_0.pt"), load_dump(out / "loaded_stock.pt")
+    assert saved["optim"], "no optimizer state was dumped"
+    assert_tensors_equal(loaded["model"], saved["model"], "converted -> stock Accelerate: weights")
+    assert_tensors_equal(loaded["optim"], saved["optim"], "converted -> stock Accelerate: optimizer")
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 1, reason="FSDP through Accelerate needs CUDA GPUs")
 def test_fsdp2_resume_gpu(tmp_path: Path) -> None:
     run_fsdp(tmp_path, min(torch.cuda.device_count(), 2), 1, ("--fsdp-version", "2"), ("--fsdp-version", "2"),

@@ -3,6 +3,7 @@ resumes model, Adam moments and step) and as a Lightning .ckpt file (stock Light
 no plugin). torchtitan's own manager resuming a converted checkpoint: tests/torchtitan."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -101,3 +102,22 @@ def test_ours_to_lightning_ckpt_resumes_in_stock_lightning(tmp_path):
     assert_same({k: v for k, v in stock.loaded.items() if k != "loops"}, expected, "ours -> .ckpt -> stock Lightning")
     assert_same(stock.restored, expected, "stock Lightning's live state after the resume")
     assert stock.loaded["loops"]["state_dict"]["combined_loader"] == []
+
+
+@pytest.mark.timeout(300)
+def test_convert_under_torchrun_writes_every_rank_share(tmp_path):
+    """`torchrun --nproc_per_node 2 -m bytecheckpoint convert`: each process writes its share of the
+    tensors (files __0_* and __1_*), the coordinator the one .metadata; dcp.load reads it whole."""
+    src, dst = str(tmp_path / "ours"), str(tmp_path / "dcp")
+    state = {"w": {f"layer{i}": torch.randn(600, 600) for i in range(12)}, "step": 5}  # > 1 batch per rank
+    bcp.save(src, state)
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          "-m", "bytecheckpoint", "convert", src, dst, "--to", "dcp"], capture_output=True, text=True,
+                         timeout=240, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    files = sorted(os.listdir(dst))
+    assert any(f.startswith("__0_") for f in files) and any(f.startswith("__1_") for f in files), files
+    assert out.stdout.count("converted") == 1, out.stdout  # the coordinator reports
+    back = {"w": {k: torch.zeros(600, 600) for k in state["w"]}, "step": 0}
+    dcp.load(back, checkpoint_id=dst)
+    assert back["step"] == 5 and all(torch.equal(back["w"][k], v) for k, v in state["w"].items())
