@@ -150,13 +150,13 @@ class _Item:
 def _translate(store: Storage, parsed: Sequence[Any], rank_local: bool) -> Metadata:
     paths: Dict[str, Tuple[Any, ...]] = {}
     kinds: Dict[str, Any] = {}
+    chunks: Dict[str, List[Any]] = {}   # rank-local metadata: every rank's file lists its own chunks
     storage: Dict[Tuple[str, Optional[Tuple[int, ...]]], Any] = {}
     for md in parsed:
         mapping = md.planner_data if isinstance(getattr(md, "planner_data", None), dict) else {}
         for fqn, value in md.state_dict_metadata.items():
             kinds.setdefault(fqn, value)
-            if isinstance(value, _DCP_CLASSES["TensorStorageMetadata"]) and fqn in kinds and kinds[fqn] is not value:
-                kinds[fqn].chunks = list(kinds[fqn].chunks) + list(value.chunks)  # rank-local: every rank's chunks
+            chunks.setdefault(fqn, []).extend(getattr(value, "chunks", None) or ())
             path = mapping.get(fqn)
             paths[fqn] = tuple(path) if isinstance(path, tuple) and path and all(
                 isinstance(p, (str, int)) for p in path) else (fqn,)
@@ -177,7 +177,7 @@ def _translate(store: Storage, parsed: Sequence[Any], rank_local: bool) -> Metad
         dtype = dtypes.name_of(_properties_dtype(value, fqn, where))
         shape = tuple(int(n) for n in value.size)
         seen = set()
-        for chunk in value.chunks:
+        for chunk in chunks[fqn]:
             offsets, sizes = tuple(int(n) for n in chunk.offsets), tuple(int(n) for n in chunk.sizes)
             if offsets in seen or 0 in sizes:  # rank-local metadata repeats replicated chunks
                 continue

@@ -96,3 +96,21 @@ def test_hugging_face_ends_equal_torchtitans_dcp_manager(tmp_path, data):
     for name, tensor in files["dcp"].items():
         assert torch.equal(files["bcp"][name], tensor), name
     assert losses["bcp"] == losses["dcp"]
+
+
+def test_torchtitans_own_pp2_checkpoint_resumes_through_ours_on_one_process(tmp_path, data):
+    """Switching at another layout: torchtitan's DCP manager saves at PP2 (two stages, two processes);
+    ByteCheckpointManager resumes that step-2 on one process exactly as DCP's own resume does."""
+    (n_save, save_spec), (n_resume, resume_spec) = LAYOUTS["pp2-to-1"]
+    first = tmp_path / "dcp_saved"
+    launch.run(n_save, dict(save_spec, steps=2, data_dir=data, dump=str(first), manager="dcp", interval=2),
+               timeout=RUN_S)
+    runs = {}
+    for manager in ("bcp", "dcp"):
+        second = tmp_path / f"{manager}_resumed"
+        shutil.copytree(first / "checkpoint" / "step-2", second / "checkpoint" / "step-2")
+        runs[manager] = launch.run(n_resume, dict(resume_spec, steps=4, data_dir=data, dump=str(second),
+                                                  manager=manager, interval=2), timeout=RUN_S)
+    assert sorted(runs["bcp"][0]["losses"]) == [3, 4]
+    assert runs["bcp"][0]["losses"] == runs["dcp"][0]["losses"]
+    assert runs["bcp"][0]["batches"] == runs["dcp"][0]["batches"]
