@@ -36,10 +36,13 @@ def load(path, state: Dict[str, Any], *, process_group=None, strict: bool = True
 
 
 def load_full(path, *, keys: Optional[Sequence[str]] = None, process_group=None,
-              storage_options: Optional[Mapping[str, Any]] = None, allow_pickle: bool = False) -> Dict[str, Any]:
-    """The saved state as nested dicts/lists with full CPU tensors and plain values (no template)."""
+              storage_options: Optional[Mapping[str, Any]] = None, allow_pickle: bool = False,
+              per_rank: bool = False) -> Any:
+    """The saved state as nested dicts/lists with full CPU tensors and plain values (no template).
+    Plain values that differ between the saved ranks are merged (dicts: every rank's keys);
+    per_rank=True returns a list, each saved rank's state with its own plain values."""
     return default_checkpointer().load_full(path, keys=keys, allow_pickle=allow_pickle, process_group=process_group,
-                                            storage_options=storage_options)
+                                            storage_options=storage_options, per_rank=per_rank)
 
 
 def wait_pending() -> None:

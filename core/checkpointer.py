@@ -214,14 +214,16 @@ class Checkpointer:
         return state
 
     def load_full(self, path, *, keys: Optional[Sequence[str]] = None, allow_pickle: bool = False,
-                  process_group: Any = _UNSET, storage_options: Any = _UNSET) -> Dict[str, Any]:
-        """The saved state without a template (full CPU tensors); `keys`: some top-level keys."""
+                  process_group: Any = _UNSET, storage_options: Any = _UNSET, per_rank: bool = False) -> Any:
+        """The saved state without a template (full CPU tensors); `keys`: some top-level keys;
+        `per_rank`: a list, each saved rank's state with its own plain values."""
         self._check_open()
         comm = self._comm(process_group)
         store = self.storage(path, storage_options)
         md, stats = self._open_load(comm, store, path, arrive=False)
         with stats.finishing(store, md, self.options.record_stats == "all"), Workers(self.options.threads) as workers:
-            state = loader.load_full(comm, store, workers, md, keys=keys, allow_pickle=allow_pickle, stats=stats)
+            state = loader.load_full(comm, store, workers, md, keys=keys, allow_pickle=allow_pickle, stats=stats,
+                                     per_rank=per_rank)
         self.last_load_stats = stats
         return state
 

@@ -59,8 +59,10 @@ PHASES: Dict[str, Tuple[str, str]] = {
     "read": ("work", "chunks read, checked and copied into the state"),
     "read.wait": ("wait", "waiting for every rank's reads"),
     "exchange": ("work", "zero-redundancy: shared chunks read once and broadcast"),
-    "objects": ("work", "plain values read, finalizers run"),
-    "objects.wait": ("wait", "waiting for every rank's plain values"),
+    "values": ("work", "plain values read and checked against the template (before any tensor is written)"),
+    "objects": ("work", "plain values assigned, finalizers run"),
+    "values.wait": ("wait", "waiting for every rank's plain values"),
+    "objects.wait": ("wait", "waiting for every rank's finalizers"),
 }
 
 

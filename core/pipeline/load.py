@@ -11,8 +11,7 @@ import contextlib
 import math
 import os
 import time
-import zlib
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -27,13 +26,13 @@ from ..common.errors import (
 )
 from ..dist import zero_redundancy
 from ..dist.comm import Comm
-from ..format import codec
 from ..format.metadata import METADATA_FILE, Metadata, dtype_itemsize
 from ..monitor import OFF, Phase, Recorder, load_metrics, record_key, write_record
 from ..planning.planner import ReadItem, TargetSpec, check_targets, plan_load
 from ..state.flatten import Flat, TypeRegistry, build_from_structure, find_subtree, flatten_for_load, structure_leaves
 from ..storage import Storage, chunks, packs
-from . import device_reads
+from . import device_reads, plain_values
+from .plain_values import read_objects
 from .workers import Workers
 from .write import DATA_PREFIX
 
@@ -229,44 +228,6 @@ def _physical_memory() -> int:
         return 1 << 62
 
 
-def read_objects(store: Storage, md: Metadata, rank: int, allow_pickle: bool, needed: Iterable[str] = ()
-                 ) -> Dict[str, Any]:
-    """Plain values saved by `rank` (or rank 0's when the checkpoint had fewer ranks), and those of
-    `needed` that this file lacks from the rank that saved them (another pipeline stage's or
-    expert's keys: metadata's object_owners, else rank 0)."""
-    if md.foreign is not None:  # another format's plain values (core/foreign/): by key, not per rank
-        keys = list(needed)
-        return md.foreign.read(store, keys if keys else list(md.foreign.where), allow_pickle)
-    src = rank if rank < md.world_size else 0
-    objects = _read_object_file(store, md, src, allow_pickle)
-    elsewhere: Dict[int, List[str]] = {}
-    for key in needed:
-        if key not in objects:
-            owner = md.object_owners.get(key, 0)
-            if owner != src:
-                elsewhere.setdefault(owner, []).append(key)
-    for owner, keys in sorted(elsewhere.items()):
-        theirs = _read_object_file(store, md, owner, allow_pickle, keys)
-        objects.update({k: theirs[k] for k in keys if k in theirs})
-    return objects
-
-
-def _read_object_file(store: Storage, md: Metadata, rank: int, allow_pickle: bool,
-                      only: Optional[Sequence[str]] = None) -> Dict[str, Any]:
-    meta = next((o for o in md.objects if o.rank == rank), None)
-    if meta is None:
-        return {}
-    raw = store.get(meta.path)
-    if raw is None:
-        raise CorruptCheckpointError(f"{store.url!r}: {meta.path} is missing; the checkpoint is damaged")
-    if zlib.crc32(raw) != meta.crc32 or len(raw) != meta.nbytes:
-        raise CorruptCheckpointError(f"{store.url!r}: {meta.path} fails its crc32 checksum; the checkpoint is "
-                                     f"damaged")
-    values = codec.loads_raw(raw)
-    keys = values.keys() if only is None else [k for k in only if k in values]
-    return {k: codec.decode(values[k], allow_pickle, k) for k in keys}
-
-
 # ------------------------------------------------------------------ load
 
 def _check_keys(flat: Flat, md: Metadata, strict: bool, ranks: int = 1) -> Tuple[List[str], List[str]]:
@@ -368,7 +329,7 @@ def load(comm: Comm, store: Storage, workers: Workers, md: Metadata, state: Dict
         if strict:
             _raise_unexpected(global_unexpected(comm, md, unexpected))
         stats.optimizer_state.update(flat.notes)
-        _read_into(comm, store, workers, md, flat, reads, whole, shared, stats, allow_pickle, slabs)
+        _read_into(comm, store, workers, md, flat, reads, whole, shared, stats, allow_pickle, slabs, strict)
     except BaseException:
         for flat in prepared:
             _undo(flat)
@@ -384,7 +345,7 @@ def _undo(flat: Flat) -> None:
 
 
 def _read_into(comm: Comm, store: Storage, workers: Workers, md: Metadata, flat: Flat, reads, whole, shared,
-               stats: LoadStats, allow_pickle: bool, slabs) -> None:
+               stats: LoadStats, allow_pickle: bool, slabs, strict: bool = True) -> None:
     """Read the planned chunks into their targets, then the plain values; run the finalizers."""
 
     def dest_of(r: ReadItem) -> torch.Tensor:
@@ -393,6 +354,28 @@ def _read_into(comm: Comm, store: Storage, workers: Workers, md: Metadata, flat:
         return target_view(flat.tensors[r.key].pieces[r.piece].tensor, r.target_box)
 
     rec = stats.rec
+
+    def read_values():
+        """The plain values, read and checked against the template before any tensor is written."""
+        if not (flat.setters or flat.subtrees):
+            return {}, {}
+        saved = structure_leaves(md.structure)
+        needed = list(flat.setters) + [k for prefix in flat.subtrees
+                                       for k, kind in structure_leaves(find_subtree(md.structure, prefix)).items()
+                                       if kind == "object"]
+        notes: List[str] = []
+        objects = read_objects(store, md, comm.rank, allow_pickle, needed, comm.world_size, notes)
+        plain_values.report(notes, comm.rank)
+        filled = {}
+        for key in flat.setters:
+            if saved.get(key) == "object" and key not in objects:
+                raise CorruptCheckpointError(f"{store.url!r}: plain value {key!r} is listed in the metadata but "
+                                             f"missing from its rank file; the checkpoint is damaged")
+            if key in objects:
+                filled[key] = plain_values.filled(flat.templates.get(key), objects[key], key, strict)
+        return objects, filled
+
+    objects, filled = timed_run(comm, rec, "values", read_values, f"loading {store.url!r}")
     needs = chunk_needs(md, reads, [dest_of(r) for r in reads])
     with rec.span("share.plan"):
         shared = shared(comm, md, needs)
@@ -410,19 +393,11 @@ def _read_into(comm: Comm, store: Storage, workers: Workers, md: Metadata, flat:
     except CheckpointError as exc:  # the state's tensors were being written: say so
         raise partly_written(exc)
 
-    def read_all():
-        if flat.setters or flat.subtrees:
-            saved = structure_leaves(md.structure)
-            needed = list(flat.setters) + [k for prefix in flat.subtrees
-                                           for k, kind in structure_leaves(find_subtree(md.structure, prefix)).items()
-                                           if kind == "object"]
-            objects = read_objects(store, md, comm.rank, allow_pickle, needed)
-            for key, assign in flat.setters.items():
-                if saved.get(key) == "object" and key not in objects:
-                    raise CorruptCheckpointError(f"{store.url!r}: plain value {key!r} is listed in the metadata but "
-                                                 f"missing from its rank file; the checkpoint is damaged")
-                if key in objects:
-                    assign(objects[key])
+    def assign_all():
+        for key, assign in flat.setters.items():
+            if key in filled:
+                assign(filled[key])
+        if flat.subtrees:
             tensors = {**whole, **{k: e.pieces[0].tensor for k, e in flat.tensors.items() if len(e.pieces) == 1}}
             for prefix, consume in flat.subtrees.items():
                 node = find_subtree(md.structure, prefix)
@@ -431,7 +406,7 @@ def _read_into(comm: Comm, store: Storage, workers: Workers, md: Metadata, flat:
         for fin in flat.finalizers + flat.after:
             fin()
 
-    timed_run(comm, rec, "objects", read_all, f"loading {store.url!r}")
+    timed_run(comm, rec, "objects", assign_all, f"loading {store.url!r}")
 
 
 def timed_run(comm: Comm, rec: Recorder, name: str, fn, what: str, measure=None):
@@ -456,9 +431,11 @@ def timed_run(comm: Comm, rec: Recorder, name: str, fn, what: str, measure=None)
 
 
 def load_full(comm: Comm, store: Storage, workers: Workers, md: Metadata, *, keys: Optional[Sequence[str]],
-              allow_pickle: bool, stats: Optional[LoadStats] = None) -> Dict[str, Any]:
+              allow_pickle: bool, stats: Optional[LoadStats] = None, per_rank: bool = False) -> Any:
     """The saved state as nested dicts/lists with full CPU tensors and plain values (no template).
-    `keys` limits it to some top-level keys. Every rank reads what it returns."""
+    `keys` limits it to some top-level keys. Every rank reads what it returns. Plain values that
+    differ between the saved ranks are merged (plain_values.py); `per_rank`: a list with each saved
+    rank's state as it saved its plain values (the tensors shared between them)."""
 
     def read() -> Dict[str, Any]:
         root = md.structure
@@ -476,12 +453,20 @@ def load_full(comm: Comm, store: Storage, workers: Workers, md: Metadata, *, key
         wanted = structure_leaves(root) if nodes is None else {
             k: v for n in nodes.values() for k, v in structure_leaves(n).items()}
         tensors = read_full_tensors(store, workers, md, [k for k, kind in wanted.items() if kind == "tensor"], stats)
-        objects = read_objects(store, md, comm.rank, allow_pickle,
-                               [k for k, kind in wanted.items() if kind == "object"]) if any(
-            kind == "object" for kind in wanted.values()) else {}
-        if nodes is None:
-            return build_from_structure(root, tensors, objects)
-        return {k: build_from_structure(n, tensors, objects) for k, n in nodes.items()}
+        object_keys = [k for k, kind in wanted.items() if kind == "object"]
+
+        def build(objects: Dict[str, Any]) -> Dict[str, Any]:
+            if nodes is None:
+                return build_from_structure(root, tensors, objects)
+            return {k: build_from_structure(n, tensors, objects) for k, n in nodes.items()}
+        if per_rank and md.foreign is None:
+            return [build(read_objects(store, md, r, allow_pickle, object_keys) if object_keys else {})
+                    for r in range(md.world_size)]
+        notes: List[str] = []
+        objects = read_objects(store, md, comm.rank, allow_pickle, object_keys, comm.world_size, notes) \
+            if object_keys else {}
+        plain_values.report(notes, comm.rank)
+        return [build(objects)] if per_rank else build(objects)
 
     stats = stats if stats is not None else LoadStats()
     return timed_run(comm, stats.rec, "read", read, f"reading {store.url!r}", lambda: (stats.bytes_read, stats.reads))

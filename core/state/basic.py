@@ -134,3 +134,4 @@ class ObjectHandler(Handler):
 
     def load(self, value, key, walk, assign):
         walk.flat.setters[key] = assign
+        walk.flat.templates[key] = value

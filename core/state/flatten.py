@@ -61,6 +61,7 @@ class Flat:
     tensors: Dict[str, TensorEntry] = field(default_factory=dict)
     objects: Dict[str, Any] = field(default_factory=dict)            # save: key -> value
     setters: Dict[str, Callable[[Any], None]] = field(default_factory=dict)  # load: key -> assign
+    templates: Dict[str, Any] = field(default_factory=dict)  # load: key -> the template's plain value
     subtrees: Dict[str, Callable[[Any], None]] = field(default_factory=dict)  # load: prefix -> consume full value
     finalizers: List[Callable[[], None]] = field(default_factory=list)
     after: List[Callable[[], None]] = field(default_factory=list)  # load: after every finalizer (LR schedulers)

@@ -20,7 +20,8 @@ import torch
 from ..common.errors import CheckpointError, CheckpointExistsError
 from ..dist.comm import LOCAL, Comm
 from ..format.metadata import Metadata
-from ..pipeline.load import read_full_tensors, read_objects
+from ..pipeline.load import read_full_tensors
+from ..pipeline.plain_values import read_objects
 from ..pipeline.workers import Workers
 from ..state.flatten import build_from_structure, structure_leaves
 from ..state.optimizer_form import keyed_by_names, names_to_positions
