@@ -25,11 +25,12 @@ from .schedulers import SchedulerHandler
 
 def builtin_registry() -> TypeRegistry:
     registry = TypeRegistry(stateful=StatefulHandler(), plain=ObjectHandler())
+    optimizers = OptimizerHandler()
     for typ, handler in ((dict, DictHandler()), (list, PartsListHandler()), (tuple, PartsTupleHandler()),
                          (torch.Tensor, TensorHandler()), (Shard, ShardHandler()), (FlatShard, FlatShardHandler()),
                          (nn.Module, ModuleHandler()), (ModuleView, ModuleViewHandler()),
-                         (torch.optim.Optimizer, OptimizerHandler()),
-                         (torch.optim.lr_scheduler.LRScheduler, SchedulerHandler())):
+                         (torch.optim.Optimizer, optimizers),
+                         (torch.optim.lr_scheduler.LRScheduler, SchedulerHandler(optimizers))):
         registry.register(typ, handler)
     for typ, handler in distributed.handlers():
         registry.register(typ, handler)
