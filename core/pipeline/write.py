@@ -152,11 +152,18 @@ class Job:
                 raise error
             self._decide([result])
             return
-        board.publish(result)
-        if not self.comm.is_coordinator:
-            with self.rec.span("commit.outcome"):
-                board.outcome()
-            return
+        try:
+            board.publish(result)
+            if not self.comm.is_coordinator:
+                with self.rec.span("commit.outcome"):
+                    board.outcome()
+                return
+        except BaseException as exc:
+            # this rank's own write failed first (a full disk, EIO): that is the cause to report, not the
+            # marker it could not write or the outcome a coordinator on the same failing storage never wrote
+            if error is not None and not isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise error from exc
+            raise
         error: Optional[BaseException] = None
         try:
             with self.rec.span("commit.wait"):
@@ -164,7 +171,12 @@ class Job:
             self._decide(results)
         except BaseException as exc:  # noqa: BLE001 - announced to every rank, then re-raised here
             error = exc
-        board.announce(error)
+        try:
+            board.announce(error)
+        except Exception as exc:  # the storage failing the outcome marker too: the first cause stays the error
+            if error is not None:
+                raise error from exc
+            raise
         if error is not None:
             raise error
 

@@ -72,6 +72,18 @@ def test_enospc_async_through_tensorstore_kvstore(tmp_path):
 
 
 @pytest.mark.timeout(200)
+def test_the_first_cause_survives_a_storage_that_fails_the_commit_markers_too(tmp_path):
+    """Async: rank 1 hits ENOSPC writing its pack and the coordinator, on the same failing storage,
+    cannot write the outcome marker either. Rank 1 must report its own ENOSPC, not the wait for an
+    outcome that never came ("gave up after 8 s waiting for rank 0"), and rank 0 the failed save."""
+    outs = _fail_save(tmp_path, [{"op": "write", "kind": "enospc", "key": "/pack/", "rank": 1},
+                                 {"op": "write", "kind": "enospc", "key": "commit/outcome.json", "rank": 0}],
+                      async_save=True, max_s=30)
+    assert all(re.search(r"[Nn]o space left", o) for o in outs), outs
+    assert not any("gave up after" in o for o in outs), outs
+
+
+@pytest.mark.timeout(200)
 def test_commit_write_fails(tmp_path):
     """The coordinator cannot write metadata.json: every rank raises, nothing is committed."""
     _fail_save(tmp_path, [{"op": "write", "kind": "error", "key": "metadata.json", "rank": 0}],
