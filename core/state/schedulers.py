@@ -22,7 +22,7 @@ from ..common.errors import StateMismatchError
 from .flatten import Handler
 
 PER_GROUP = ("base_lrs", "_last_lr", "min_lrs", "max_lrs", "base_momentums", "max_momentums", "lr_lambdas")
-BY_NAME = "by_param_name"
+BY_NAME, POSITIONS = "by_param_name", "positions"
 MEMBERS = "_schedulers"
 
 
@@ -66,7 +66,8 @@ def by_names(state: Dict[str, Any], groups: List[List[str]]) -> Dict[str, Any]:
     for k in PER_GROUP:
         v = out.get(k)
         if isinstance(v, list) and len(v) == len(groups) and any(x is not None for x in v):  # all None: nothing to keep
-            out[k] = {BY_NAME: {name: v[i] for i, names in enumerate(groups) for name in names}}
+            # the positions too: a group without parameters has no name to be found by
+            out[k] = {BY_NAME: {name: v[i] for i, names in enumerate(groups) for name in names}, POSITIONS: v}
     if isinstance(out.get(MEMBERS), list):
         out[MEMBERS] = [by_names(m, groups) if isinstance(m, dict) else m for m in out[MEMBERS]]
     return out
@@ -83,7 +84,7 @@ def by_positions(state: Dict[str, Any], groups: Optional[List[List[str]]], where
     """The saved state with every by-name list rebuilt for the optimizer's groups now."""
     out = dict(state)
     for k, v in state.items():
-        if not (isinstance(v, dict) and set(v) == {BY_NAME}):
+        if not (isinstance(v, dict) and set(v) == {BY_NAME, POSITIONS}):
             continue
         if groups is None:
             raise StateMismatchError(f"LR scheduler {where!r}: its {k} was saved by parameter name, but this "
@@ -93,6 +94,8 @@ def by_positions(state: Dict[str, Any], groups: Optional[List[List[str]]], where
         rebuilt = []
         for i, names in enumerate(groups):
             values = [saved[n] for n in names if n in saved]
+            if not names and i < len(v[POSITIONS]):  # an empty group: by position, as torch keeps it
+                values = [v[POSITIONS][i]]
             if not values and k in FROM_GROUPS and i < len(optimizer_groups) and \
                     FROM_GROUPS[k] in optimizer_groups[i]:
                 values = [optimizer_groups[i][FROM_GROUPS[k]]]

@@ -51,3 +51,15 @@ def test_a_group_joining_parameters_saved_apart_is_an_error(tmp_path):
     with pytest.raises(StateMismatchError, match="plateau.*param group 0 joins parameters saved with different "
                                                  "min_lrs"):
         bcp.load(str(tmp_path / "c"), {"model": model2, "opt": opt2, "plateau": plateau2}, strict=False)
+
+
+def test_a_group_without_parameters_keeps_its_position(tmp_path):
+    model = _model()
+    opt = torch.optim.SGD([{"params": list(model.parameters())}, {"params": [], "lr": 0.7}], lr=0.1)
+    sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, min_lr=[0.01, 0.03])
+    bcp.save(str(tmp_path / "c"), {"model": model, "opt": opt, "sched": sched})
+    model2 = _model()
+    opt2 = torch.optim.SGD([{"params": list(model2.parameters())}, {"params": [], "lr": 0.7}], lr=0.1)
+    sched2 = torch.optim.lr_scheduler.ReduceLROnPlateau(opt2)
+    bcp.load(str(tmp_path / "c"), {"model": model2, "opt": opt2, "sched": sched2})
+    assert sched2.min_lrs == [0.01, 0.03]
