@@ -254,6 +254,18 @@ DS_ENV = {"DS_ACCELERATOR": "cpu"}
 DS_SAVE = "async"
 
 
+def _assert_resumed_as_saved(tmp_path: Path, ddp: Path) -> dict:
+    """DeepSpeed's full view right after the 1-process load equals the one at save, bit for bit, the
+    run goes on as the stock DDP resume, and it ends at step 6; returns the resumed run's dump."""
+    saved, loaded = dump(tmp_path / "save.pt")["views"]["saved"], dump(tmp_path / "load.pt")
+    assert saved.keys() == loaded["views"]["loaded"].keys()
+    for k in saved:
+        assert torch.equal(loaded["views"]["loaded"][k], saved[k]), k
+    assert loaded["losses"] == dump(ddp / "stock_1.pt")["losses"]
+    assert loaded["info"]["global_step"] == 6
+    return loaded
+
+
 @pytest.mark.slow  # make test-slow
 @pytest.mark.parametrize("save_stage,load_stage", [(2, 3), (3, 1)])
 def test_deepspeed_saved_on_2_resumed_on_1_other_stage(tmp_path: Path, ddp: Path, save_stage: int, load_stage: int) -> None:
@@ -271,12 +283,8 @@ def test_deepspeed_saved_on_2_resumed_on_1_other_stage(tmp_path: Path, ddp: Path
     assert "bytecheckpoint" in files and not any(f.startswith("global_step") for f in files), files
     launch(1, "--out", str(tmp_path / "o"), "--deepspeed", str(load_stage), "--attach", "sync", "--state-at", "4",
            "--resume", str(tmp_path / "o" / "checkpoint-4"), "--dump", str(tmp_path / "load.pt"), env=DS_ENV)
-    saved, loaded = dump(tmp_path / "save.pt")["views"]["saved"], dump(tmp_path / "load.pt")
-    assert saved.keys() == loaded["views"]["loaded"].keys()
-    for k in saved:
-        assert torch.equal(loaded["views"]["loaded"][k], saved[k]), k
-    assert loaded["losses"] == dump(ddp / "stock_1.pt")["losses"]
-    assert loaded["info"]["global_step"] == 6
+    loaded = _assert_resumed_as_saved(tmp_path, ddp)
+    saved = dump(tmp_path / "save.pt")["views"]["saved"]
     # the stock Trainer's model.safetensors, gathered from the ZeRO partitions (ZeRO-1/2; ZeRO-3 with the flag)
     assert_gathered_weights(tmp_path / "o" / "checkpoint-4", saved, f"ZeRO-{save_stage} x2 checkpoint-4")
     last = tmp_path / "o" / "checkpoint-6"  # written by the resumed run
@@ -287,7 +295,6 @@ def test_deepspeed_saved_on_2_resumed_on_1_other_stage(tmp_path: Path, ddp: Path
         assert_gathered_weights(last, loaded["weights"], f"ZeRO-{load_stage} x1 checkpoint-6")
 
 
-@pytest.mark.slow  # make test-slow: other layouts of the same Trainer route
 def test_stock_deepspeed_folder_resumes_on_1_process_as_zero3(tmp_path: Path, ddp: Path) -> None:
     """Switching: a run checkpointed by the stock Trainer under ZeRO-2 on 2 processes (DeepSpeed's
     own global_step4/ folder) resumes attached on 1 process as ZeRO-3, which the stock Trainer
@@ -299,14 +306,10 @@ def test_stock_deepspeed_folder_resumes_on_1_process_as_zero3(tmp_path: Path, dd
     assert "global_step4" in os.listdir(tmp_path / "o" / "checkpoint-4")
     launch(1, "--out", str(tmp_path / "o"), "--deepspeed", "3", "--attach", "sync", "--state-at", "4",
            "--resume", str(tmp_path / "o" / "checkpoint-4"), "--dump", str(tmp_path / "load.pt"), env=DS_ENV)
-    saved, loaded = dump(tmp_path / "save.pt")["views"]["saved"], dump(tmp_path / "load.pt")
-    assert saved.keys() == loaded["views"]["loaded"].keys()
-    for k in saved:
-        assert torch.equal(loaded["views"]["loaded"][k], saved[k]), k
-    assert loaded["losses"] == dump(ddp / "stock_1.pt")["losses"]
-    assert loaded["info"]["global_step"] == 6
+    _assert_resumed_as_saved(tmp_path, ddp)
 
 
+@pytest.mark.slow  # make test-slow: other layouts of the same Trainer route
 def test_deepspeed_zero1_resumed_on_2_bit_exact_with_stock(tmp_path: Path) -> None:
     """Where the stock Trainer can resume (DeepSpeed's own checkpoint, same world size and stage):
     the attached ZeRO-1 resume is the same run, bit for bit (fp32 master weights, losses, step)."""
