@@ -426,9 +426,8 @@ class DeepSpeedObjects:
 
 
 def _from_full(full: Dict[str, Any], key: str, parsed: Any) -> Any:
-    if key == "deepspeed":
-        return {**{k: full.get(k) for k in _COUNTERS if k in full}, "zero_stage": parsed["zero_stage"],
-                "param_groups": parsed["param_groups"]}
+    if key == "deepspeed":  # the parsed dict, its counters (the scheduler's state) unpickled for real
+        return {**parsed, **{k: full[k] for k in _COUNTERS if k in full}}
     if key.startswith("optimizer/param_groups/"):
         raise CheckpointError(f"{key}: hyper-parameters holding objects of other classes are not read")
     return full[key]

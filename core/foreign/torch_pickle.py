@@ -118,12 +118,9 @@ class _StatePickle(pickle.Unpickler):
             return _OrderedDict
         if module == "torch" and name == "Size":
             return tuple
-        if module == "torch" and name.endswith("Storage"):
-            return ("typed", torch_zip._STORAGE_DTYPES.get(name))
-        if module == "torch.storage" and name == "UntypedStorage":
-            return ("typed", torch.uint8)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
+        found = torch_zip.storage_or_dtype(module, name)
+        if found is not None:
+            return found
         if module in ("builtins", "__builtin__") and name in _SAFE_BUILTINS:  # protocol 2 says __builtin__
             return _SAFE_BUILTINS[name]
         if module == "copyreg" and name == "_reconstructor":
@@ -181,7 +178,7 @@ def load(blob: torch_zip.Blob) -> Any:
             raise blob.corrupt(f"storage {key} has an unknown type")
         itemsize = torch.empty((), dtype=raw.dtype).element_size()
         numel = math.prod(raw.shape)
-        if numel > 1 and raw.stride != torch_zip._contiguous_strides(raw.shape):
+        if numel > 1 and raw.stride != torch_zip.contiguous_strides(raw.shape):
             raise CorruptCheckpointError(f"{blob.where}: a tensor of shape {list(raw.shape)} is stored with strides "
                                          f"{list(raw.stride)} (not C order); bytecheckpoint cannot map it in place")
         lo, hi = raw.offset * itemsize, (raw.offset + numel) * itemsize

@@ -18,7 +18,7 @@ import math
 import pickle
 import struct
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -172,7 +172,7 @@ def tensor_bytes(blob: Blob) -> TensorBytes:
     rec, end = recs[data_at[0]], ends[data_at[0]]
     itemsize = torch.empty((), dtype=dtype).element_size()
     numel = math.prod(shape)
-    if offset != 0 or tuple(stride) != _contiguous_strides(shape) and numel > 1 or \
+    if offset != 0 or tuple(stride) != contiguous_strides(shape) and numel > 1 or \
             storage_numel * itemsize != rec.size or numel * itemsize != rec.size:
         raise CorruptCheckpointError(
             f"{blob.where}: the stored tensor is not a whole C-order storage (shape {list(shape)}, stride "
@@ -181,7 +181,8 @@ def tensor_bytes(blob: Blob) -> TensorBytes:
     return TensorBytes(data_start(blob, rec, end), rec.size, rec.crc32, dtype, tuple(shape))
 
 
-def _contiguous_strides(shape: Sequence[int]) -> Tuple[int, ...]:
+def contiguous_strides(shape: Sequence[int]) -> Tuple[int, ...]:
+    """The strides of a C-order tensor of `shape` (as torch.save records them)."""
     out, step = [], 1
     for n in reversed(shape):
         out.append(step)
@@ -219,12 +220,9 @@ class _TensorPickle(pickle.Unpickler):
             return _rebuild_v3
         if module == "collections" and name == "OrderedDict":
             return dict
-        if module == "torch" and name.endswith("Storage"):
-            return ("typed", _STORAGE_DTYPES.get(name))
-        if module == "torch.storage" and name == "UntypedStorage":
-            return ("typed", torch.uint8)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
+        found = storage_or_dtype(module, name)
+        if found is not None:
+            return found
         raise pickle.UnpicklingError(f"{module}.{name} is not part of a plain tensor's record")
 
     def persistent_load(self, pid):
@@ -239,6 +237,18 @@ _STORAGE_DTYPES = {
     "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8, "BoolStorage": torch.bool,
     "ComplexFloatStorage": torch.complex64, "ComplexDoubleStorage": torch.complex128,
 }
+
+
+def storage_or_dtype(module: str, name: str) -> Any:
+    """What a torch.save data.pkl names for a storage type (("typed", its dtype)) or a dtype; None for
+    any other global. Shared by the unpicklers here and in torch_pickle.py: nothing is imported."""
+    if module == "torch" and name.endswith("Storage"):
+        return ("typed", _STORAGE_DTYPES.get(name))
+    if module == "torch.storage" and name == "UntypedStorage":
+        return ("typed", torch.uint8)
+    if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+        return getattr(torch, name)
+    return None
 
 
 def _tensor_record(pkl: bytes, blob: Blob):

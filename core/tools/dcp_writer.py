@@ -25,6 +25,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..foreign.torch_zip import contiguous_strides
+
 ALIGN = 64
 _LIMIT = 0xFFFFFFFF - (1 << 20)   # archives above this need zip64: torch.save writes those
 
@@ -57,14 +59,6 @@ def _storage_class(dtype: torch.dtype) -> Optional[type]:
     return getattr(torch, name, None) if name else None
 
 
-def _strides(shape: Sequence[int]) -> Tuple[int, ...]:
-    out, step = [], 1
-    for n in reversed(shape):
-        out.append(step)
-        step *= max(n, 1)
-    return tuple(reversed(out))
-
-
 def data_pkl(dtype: torch.dtype, shape: Tuple[int, ...]) -> Optional[bytes]:
     """The data.pkl torch.save writes for a C-order tensor (None: a dtype torch pickles otherwise)."""
     cls = _storage_class(dtype)
@@ -74,7 +68,7 @@ def data_pkl(dtype: torch.dtype, shape: Tuple[int, ...]) -> Optional[bytes]:
     numel = 1
     for n in shape:
         numel *= n
-    _Pickler(buf, protocol=2).dump(_Tensor(_Storage(cls, numel), tuple(shape), _strides(shape)))
+    _Pickler(buf, protocol=2).dump(_Tensor(_Storage(cls, numel), tuple(shape), contiguous_strides(shape)))
     return buf.getvalue()
 
 
