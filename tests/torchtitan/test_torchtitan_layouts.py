@@ -21,6 +21,8 @@ RUN_S = 300  # one multi-process run's time limit (4 processes on 2 cores take ~
 
 pytestmark = [pytest.mark.torchtitan, pytest.mark.timeout(1200)]
 
+MOE = dict(model="deepseek_v3")
+
 # name: (processes, spec) of the run that saves at step 2, and of the resume to step 4
 LAYOUTS = {
     "pp2-to-1": ((2, dict(pp=2, dp_shard=1)), (1, dict())),
@@ -29,6 +31,9 @@ LAYOUTS = {
     "tp2-to-1": ((2, dict(tp=2, dp_shard=1)), (1, dict())),
     "tp2xfsdp2-to-fsdp2": ((4, dict(tp=2, dp_shard=2)), (2, dict())),
     "pp2xfsdp2-to-fsdp2": ((4, dict(pp=2, dp_shard=2)), (2, dict())),
+    # DeepSeek V3's debug MoE: experts split over EP 2 (FSDP 2 beside them), resumed without EP
+    "moe-ep2-to-fsdp2": ((2, dict(MOE, ep=2)), (2, dict(MOE))),
+    "moe-fsdp2-to-ep2": ((2, dict(MOE)), (2, dict(MOE, ep=2))),
 }
 
 
@@ -70,6 +75,23 @@ def test_fsdp4_to_fsdp2_continues_every_saved_rank_stream(tmp_path, data):
         for step in (3, 4):
             assert ours[r]["batches"][step] == full[2 * r]["batches"][step] + full[2 * r + 1]["batches"][step]
     for step in (3, 4):
+        assert ours[0]["losses"][step] == pytest.approx(full[0]["losses"][step], rel=1e-4)
+
+
+def test_moe_ep2_to_one_process_continues_the_uninterrupted_run(tmp_path, data, saved_on=4):
+    """DeepSeek V3's debug MoE saved at EP 2 x FSDP 4 on 4 processes (the experts split by EP and sharded
+    again by FSDP inside each EP group) resumes on one process (DCP refuses: its dataloader state cannot change
+    DP degree): every expert and its AdamW moments land whole, the one rank trains on every saved
+    rank's tokens, and the losses are the uninterrupted run's."""
+    full = launch.run(saved_on, dict(MOE, ep=2, steps=4, data_dir=data, dump=str(tmp_path / "full"),
+                                     manager="bcp", interval=2), timeout=RUN_S)
+    dump = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "full" / "checkpoint" / "step-2", dump / "checkpoint" / "step-2")
+    ours = launch.run(1, dict(MOE, steps=4, data_dir=data, dump=str(dump), manager="bcp", interval=2,
+                              local_batch=2 * saved_on), timeout=RUN_S)
+    assert sorted(ours[0]["losses"]) == [3, 4]
+    for step in (3, 4):
+        assert ours[0]["batches"][step] == [row for r in range(saved_on) for row in full[r]["batches"][step]]
         assert ours[0]["losses"][step] == pytest.approx(full[0]["losses"][step], rel=1e-4)
 
 

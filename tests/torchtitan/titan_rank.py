@@ -25,12 +25,24 @@ import torch  # noqa: E402
 from byte_tokenizer import ByteTokenizer  # noqa: E402
 
 
+def _debug_config(model: str):
+    """torchtitan's own debug configs: llama3's dense model, or DeepSeek V3's MoE (8 routed experts
+    per MoE layer, the ones expert parallelism splits)."""
+    if model == "llama3":
+        from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+        return llama3_debugmodel()
+    if model == "deepseek_v3":
+        from torchtitan.models.deepseek_v3.config_registry import deepseek_v3_debugmodel
+
+        return deepseek_v3_debugmodel()
+    raise ValueError(f"unknown test model {model!r}")
+
+
 def build_config(spec: dict):
     from torchtitan.components.checkpoint import CheckpointManager
     from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
-    from torchtitan.models.llama3.config_registry import llama3_debugmodel
-
-    config = llama3_debugmodel()
+    config = _debug_config(spec.get("model", "llama3"))
     config.tokenizer = ByteTokenizer.Config()
     config.dataloader = HuggingFaceTextDataLoader.Config(dataset="c4_test", dataset_path=spec["data_dir"])
     config.dump_folder = spec["dump"]
@@ -53,6 +65,7 @@ def build_config(spec: dict):
     p.data_parallel_replicate_degree = spec.get("dp_replicate", 1)
     p.tensor_parallel_degree = spec.get("tp", 1)
     p.pipeline_parallel_degree = spec.get("pp", 1)
+    p.expert_parallel_degree = spec.get("ep", 1)
     p.pipeline_parallel_schedule = spec.get("pp_schedule", "1F1B")
     p.pipeline_parallel_microbatch_size = spec.get("pp_microbatch", 1)
     p.pipeline_parallel_layers_per_stage = spec.get("pp_layers_per_stage")
