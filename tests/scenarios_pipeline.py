@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import time
 import zlib
 
 import torch
@@ -181,6 +182,7 @@ def train(**args):
         print("data order:", loader.data_order)
     start = state["step"]
     out = {"losses": {}, "samples": {}}
+    pending = []
     it = iter(loader)
     for step in range(start, args["stop"]):
         ids = next(it)
@@ -210,6 +212,8 @@ def train(**args):
         state["step"] = step + 1
         if args.get("save_at") == step + 1:
             bcp.save(args["save"], state)
+        _save_step(args, state, step + 1, pending)
+    _wait_saves(pending)
     out["dp_rank"] = dp_rank
     out["model"] = {n: _full(t) for part in parts for n, t in part.state_dict().items()}
     names = {id(p): n for part in parts for n, p in part.named_parameters()}
@@ -220,6 +224,29 @@ def train(**args):
     rank = dist.get_rank() if grouped else 0
     torch.save(out, os.path.join(args["out"], f"rank{rank}.pt"))
     print("ok")
+
+
+def _save_step(args, state, step: int, pending: list) -> None:
+    """args["saves"] {step: path} (async with args["async_save"]); before the last of them, each rank
+    marks `ready.<rank>` in args["marker_dir"] (the kill trials of tests/faults/test_kill_layouts.py
+    kill a rank from then on)."""
+    saves = {int(k): v for k, v in args.get("saves", {}).items()}
+    if step not in saves:
+        return
+    if args.get("marker_dir") and step == max(saves):
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        with open(os.path.join(args["marker_dir"], f".ready.{rank}"), "w") as f:
+            f.write("ready")
+        os.replace(os.path.join(args["marker_dir"], f".ready.{rank}"), os.path.join(args["marker_dir"], f"ready.{rank}"))
+    pending.append((time.perf_counter(), bcp.save(saves[step], state, async_save=args.get("async_save", False))))
+
+
+def _wait_saves(pending: list) -> None:
+    """Wait for every save; print the last one's seconds from its start to its commit (SAVE_S)."""
+    for t0, handle in pending:
+        if handle is not None:
+            handle.wait()
+        print(f"SAVE_S {time.perf_counter() - t0:.3f}", flush=True)
 
 
 # ---------------------------------------------------------------------- experts
@@ -297,7 +324,18 @@ def experts(**args):
                 del model.experts[name]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
     state = {"model": model, "optimizer": opt}
-    if args.get("load"):
+    if "stop" in args:  # steps [loaded step, stop) with args["saves"] (the kill trials)
+        state["step"] = 0
+        if args.get("load"):
+            bcp.load(args["load"], state, strict=True)
+        pending = []
+        for step in range(state["step"], args["stop"]):
+            _fake_grads(model, step)
+            opt.step()
+            state["step"] = step + 1
+            _save_step(args, state, step + 1, pending)
+        _wait_saves(pending)
+    elif args.get("load"):
         bcp.load(args["load"], state, strict=args.get("strict", True))
     else:
         for step in range(2):
