@@ -9,7 +9,7 @@ import re
 from typing import Any, Dict, List, Optional, Tuple
 
 import bytecheckpoint as bcp
-from bytecheckpoint.dist.comm import Comm
+from bytecheckpoint.collectives.comm import Comm
 
 from . import _routes as routes
 

@@ -147,23 +147,50 @@ def build_metadata(plan, world: int, sums):
                     {"data_dir": DATA_DIR, "bytes_per_rank": list(plan.bytes_per_rank)}, **extra)
 
 
+def rank_tables(sums, world: int):
+    """Each rank's ChunkTables (format/chunk_tables.py: what a rank reports since issue 48): chunk j of
+    array i written by rank (i + j) % world into its one pack, chunks back to back (build_metadata's
+    locations above), with the checksums of `sums`."""
+    import numpy as np
+    from bytecheckpoint.format.chunk_tables import ChunkTables
+    counts = np.asarray([len(s) for _, s in sums.values()], dtype=np.int64)
+    total = int(counts.sum())
+    pos = np.arange(total, dtype=np.int64)
+    first = np.repeat(np.cumsum(counts) - counts, counts)
+    ranks = (np.repeat(np.arange(len(counts)), counts) + pos - first) % world
+    values = [v for _, s in sums.values() for v in s.values()]
+    nblocks = np.asarray([len(v) if isinstance(v, tuple) else 1 for v in values], dtype=np.int64)
+    crcs = np.fromiter((c for v in values for c in (v if isinstance(v, tuple) else (v,))), dtype=np.uint32)
+    crc_start = np.cumsum(nblocks) - nblocks
+    order = np.argsort(ranks, kind="stable")
+    bounds = np.cumsum(np.bincount(ranks, minlength=world))
+    out = []
+    for r, mine in enumerate(np.split(order, bounds[:-1])):
+        lens = nblocks[mine]
+        idx = np.repeat(crc_start[mine] - (np.cumsum(lens) - lens), lens) + np.arange(int(lens.sum()))
+        out.append(ChunkTables(pos[mine], lens, crcs[idx], (f"{DATA_DIR}/pack/{r}-0.bin",),
+                               np.zeros(len(mine), dtype=np.int64), pos[mine] << 20))
+    return out
+
+
 def metadata_per_save(plan, world: int, sums, repeats: int = 5):
-    """A repeated save of an unchanged layout (issue 40): metadata.json (+ table file) as
-    commit.metadata_files makes it from every rank's results, after a first save serialized the
-    layout (pipeline/commit.py LAYOUTS). Returns (first save s, repeated save s (best of
-    `repeats`), of which merging the ranks' tables s, metadata.json bytes). Chunk j of array i was written by rank (i + j) % world, into
-    that rank's pack, chunks back to back (the locations of build_metadata above)."""
+    """A repeated save of an unchanged layout (issues 40, 48): metadata.json (+ table file) as
+    commit.metadata_files makes it from every rank's ChunkTables, after a first save serialized the
+    layout (pipeline/commit.py LAYOUTS). Returns (first save s, repeated save s (best of `repeats`),
+    of which placing the ranks' tables s, metadata.json bytes, unpickling every rank's result s (the
+    gather's receiving end), one rank's pickled result bytes (the largest))."""
+    from bytecheckpoint.format import chunk_tables
     from bytecheckpoint.pipeline import commit
     from bytecheckpoint.state.structure_union import SavedStructure
-    results = [(ObjectFileMeta(r, f"{DATA_DIR}/objects/rank_{r}.json", 2, 0), {}, {}) for r in range(world)]
-    offset = 0
-    for i, (p, (_, chunk_sums)) in enumerate(sums.items()):
-        for j, (name, value) in enumerate(chunk_sums.items()):
-            r = (i + j) % world
-            results[r][1].setdefault(p, {})[name] = value
-            results[r][2].setdefault(p, {})[name] = (f"{DATA_DIR}/pack/{r}-0.bin", offset)
-            offset += 1 << 20
-    ranks = [(res, None) for res in results]
+    tables = rank_tables(sums, world)
+    results = [((ObjectFileMeta(r, f"{DATA_DIR}/objects/rank_{r}.json", 2, 0), t, None), None)
+               for r, t in enumerate(tables)]
+    sent = [pickle.dumps(res) for res in results]
+    t0 = time.perf_counter()
+    ranks = [pickle.loads(b) for b in sent]
+    unpickle = time.perf_counter() - t0
+    sent_max = max(map(len, sent))
+    del sent, results
     structure = SavedStructure({"dict": []})
 
     def once():
@@ -173,14 +200,42 @@ def metadata_per_save(plan, world: int, sums, repeats: int = 5):
     raw, _ = once()
     first = time.perf_counter() - t0
     best = merge = float("inf")
+    layout = commit.LAYOUTS.get(plan, structure)
     for _ in range(repeats):
         t0 = time.perf_counter()
         once()
         best = min(best, time.perf_counter() - t0)
         t0 = time.perf_counter()
-        commit._merged("bench://", ranks)
+        chunk_tables.merge([res[0][1] for res in ranks], layout.blocks)
         merge = min(merge, time.perf_counter() - t0)
-    return first, best, merge, len(raw)
+    gc.collect()
+    held = sum(sum(a.nbytes for a in (t.positions, t.nblocks, t.crcs, t.packs, t.offsets))
+               for t in (res[0][1] for res in ranks))
+    extra = peak_rss_during(once)
+    return first, best, merge, len(raw), unpickle, sent_max, (held + extra) / 2**30
+
+
+def peak_rss_during(fn) -> int:
+    """Bytes the process's resident set grew by, at its peak, while fn() ran (sampled every 5 ms)."""
+    import threading
+
+    def rss() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+    before, peak, done = rss(), [0], threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], rss())
+            done.wait(0.005)
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    try:
+        fn()
+    finally:
+        done.set()
+        thread.join()
+    return max(0, max(peak[0], rss()) - before)
 
 
 def _rooted_tensor(t):
@@ -278,8 +333,9 @@ def run(layout: str, world: int, tensors: int, rng) -> dict:
     row["table_mib"] = len(table or b"") / 2**20   # the checksum table file
     row["inline_mib"] = len(built.to_json()) / 2**20 if table else row["metadata_mib"]  # format 3: tables inline
     if hasattr(planner, "rank_part"):  # issue 40: a repeated save renders metadata.json from its cached layout
-        row["metadata_first_s"], row["metadata_repeat_s"], row["merge_s"], size = metadata_per_save(
-            plan, world, sums, repeats=2 if world > 4096 else 5)
+        (row["metadata_first_s"], row["metadata_repeat_s"], row["merge_s"], size, row["tables_unpickle_s"],
+         row["tables_bytes"], row["coordinator_gib"]) = metadata_per_save(plan, world, sums,
+                                                                          repeats=2 if world > 4096 else 5)
         row["metadata_repeat_mib"] = size / 2**20
     row["commit_bytes"] = max(commit_payload(plan, 0), commit_payload(plan, world // 2))
     row["objects"] = objects_per_save(plan, table is not None)
@@ -304,6 +360,8 @@ def run(layout: str, world: int, tensors: int, rng) -> dict:
         hashlib.sha1(pickle.dumps((world, mine))).hexdigest()
         row["cached_s"] = min(row["cached_s"], time.perf_counter() - t0)
     row["coordinator_s"] = row["gather_s"] + row["plan_s"] + row["metadata_s"]
+    import resource
+    row["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
     return row
 
 
@@ -314,7 +372,10 @@ COLUMNS = [("layout", "layout", "{}"), ("ranks", "ranks", "{}"), ("tensors", "te
            ("metadata build+json (s)", "metadata_s", "{:.2f}"),
            ("metadata, first save through commit (s)", "metadata_first_s", "{:.3f}"),
            ("metadata, repeated save (s)", "metadata_repeat_s", "{:.3f}"),
-           ("of which merging the ranks' tables (s)", "merge_s", "{:.3f}"),
+           ("of which placing the ranks' tables (s)", "merge_s", "{:.3f}"),
+           ("ranks' tables: unpickle all (s)", "tables_unpickle_s", "{:.3f}"),
+           ("ranks' tables: B/rank (max)", "tables_bytes", "{}"),
+           ("coordinator memory for metadata (GiB)", "coordinator_gib", "{:.2f}"),
            ("coordinator total (s)", "coordinator_s", "{:.2f}"),
            ("metadata.json (MiB)", "metadata_mib", "{:.1f}"), ("of which chunk crc32 (MiB)", "crc_mib", "{:.1f}"),
            ("checksum table file (MiB)", "table_mib", "{:.1f}"),
@@ -355,9 +416,29 @@ def targets(rows) -> list:
         if r and "metadata_repeat_s" in r:
             out.append((f"planner, fsdp {world} ranks x 1000 tensors: metadata of a repeated save "
                         f"({r['metadata_repeat_mib']:.1f} MiB metadata.json + {r['table_mib']:.1f} MiB table; "
-                        f"{r['merge_s']:.2f} s of it merging the ranks' tables)",
+                        f"{r['merge_s']:.2f} s of it placing the ranks' tables)",
                         r["metadata_repeat_s"], r["metadata_first_s"], "s",
                         "the first save's metadata, same path (merge + build + json)"))
+    for world in (16384, 65536):  # issue 48's budgets
+        r = by.get(("fsdp", world))
+        if not r or "metadata_repeat_s" not in r:
+            continue
+        first = r["gather_s"] + r["plan_s"] + r["tables_unpickle_s"] + r["metadata_first_s"]
+        if world == 16384:
+            out.append((f"planner, fsdp {world} ranks x 1000 tensors: repeated save, coordinator's metadata "
+                        f"(receiving every rank's tables + metadata.json and table)",
+                        r["tables_unpickle_s"] + r["metadata_repeat_s"], 1.0, "s", "the 1 s budget"))
+            out.append((f"planner, fsdp {world} ranks x 1000 tensors: first save, coordinator "
+                        f"(gather + plan + every rank's tables + metadata)", first, 5.0, "s", "the 5 s budget"))
+            out.append((f"planner, fsdp {world} ranks: a loading rank's metadata work (parse + plan_load)",
+                        r["parse_s"] + max(r["load_s"], r["reshard_load_s"]), 0.5, "s", "the 0.5 s budget"))
+            out.append((f"planner, fsdp {world} ranks: coordinator's memory for a save's metadata (every rank's "
+                        f"tables received + the peak growth while placing them and writing metadata; the bench "
+                        f"process itself peaked at {r['peak_rss_gib']:.1f} GiB with the simulated ranks' data)",
+                        r["coordinator_gib"], 2.0, "GiB", "the 2 GiB budget"))
+        else:
+            out.append((f"planner, fsdp {world} ranks x 1000 tensors: first save, coordinator", first, 20.0, "s",
+                        "the 20 s budget"))
     r = by.get(("fsdp", 16384))
     if r:
         out.append(("planner, fsdp 16384 ranks: coordinator", r["coordinator_s"], 20.0, "s", "the 20 s budget"))

@@ -139,7 +139,7 @@ class StallParts:
 
     def __init__(self):
         from bytecheckpoint.pipeline import save_plan, staging, workers
-        from bytecheckpoint.dist.comm import Comm
+        from bytecheckpoint.collectives.comm import Comm
         self.parts: Dict[str, float] = {}
         self.on = False
         self.thread = threading.main_thread()  # only the training thread's calls count

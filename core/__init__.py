@@ -29,7 +29,7 @@ from .common.options import Options
 from .common.shards import FlatShard, Shard
 from . import data
 from .data import ElasticDataLoader, ElasticSampler
-from .dist.comm import LOCAL
+from .collectives.comm import LOCAL
 from .format.metadata import FORMAT_VERSION
 from .pipeline.handles import SaveHandle
 from .monitor import SaveStats, StatsReport

@@ -26,8 +26,8 @@ from .catalog import inspect as inspection
 from .common import collector
 from .common.errors import CheckpointerClosedError, CheckpointError
 from .common.options import Options
-from .dist import zero_redundancy
-from .dist.comm import LOCAL, Comm
+from .collectives import zero_redundancy
+from .collectives.comm import LOCAL, Comm
 from .catalog.metadata_cache import MetadataCache
 from .format.metadata import Metadata
 from .monitor import OFF, AsideWrites, Recorder, SaveStats, StatsReport, new_op_id, recorder

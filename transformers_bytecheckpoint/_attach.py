@@ -34,7 +34,7 @@ import torch
 import bytecheckpoint as bcp
 from bytecheckpoint.adapters import deepspeed_folders, fsdp_folders
 from bytecheckpoint.adapters.attachment import Attachment, check_target, checkpointer_for
-from bytecheckpoint.dist.comm import Comm
+from bytecheckpoint.collectives.comm import Comm
 from bytecheckpoint.state.flatten import top_level_placeholders
 
 from . import _compat as compat

@@ -19,7 +19,7 @@ import logging
 import weakref
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
-from ..dist.comm import LOCAL
+from ..collectives.comm import LOCAL
 from ..pipeline.gate import AfterFirstSteps
 
 logger = logging.getLogger(__name__)

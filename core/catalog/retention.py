@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, List, Optional, Tuple
 
 from ..common.errors import CheckpointError
-from ..dist.comm import Comm
+from ..collectives.comm import Comm
 from ..foreign import COMMIT_FILES
 from ..format.metadata import METADATA_FILE, order_key
 from ..storage.specs import split_url

@@ -134,6 +134,16 @@ class LayoutJSON:
         offsets = np.fromiter((o for _, o in at), dtype=np.int64, count=len(at))
         packs = np.fromiter((pack_index[k] for k, _ in at), dtype=np.int64, count=len(at))
         where = np.stack([packs, offsets & 0xFFFFFFFF, offsets >> 32], axis=1).astype("<u4").reshape(-1)
+        return self.render_tables(version, data_dir, crcs, where, rest, table_key)
+
+    def render_tables(self, version: int, data_dir: str, crcs: np.ndarray, where: np.ndarray, rest: Dict[str, Any],
+                      table_key: str) -> Tuple[bytes, Optional[bytes]]:
+        """render's second half, from the tables in the layout's chunk order (chunk_tables.merge):
+        every block crc32 (uint32) and every chunk's [pack, offset low, offset high] (uint32)."""
+        if version < PACKED_VERSION:
+            raise ValueError(f"LayoutJSON writes formats {PACKED_VERSION}+ only, not {version}")
+        if version == SAFETENSORS_VERSION and not rest.get("safetensors"):
+            version = PACKED_VERSION
         crc_spans, at_spans = self.crc_spans, self.at_spans
         dumped = dict(self.fixed)
         table = None

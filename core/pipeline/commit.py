@@ -18,7 +18,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from ..common.errors import CheckpointError, CheckpointExistsError, PeerTimeoutError
-from ..dist.comm import Comm
+from ..collectives.comm import Comm
+from ..format import chunk_tables
+from ..format.chunk_tables import ChunkTables
 from ..format.layout_json import LayoutJSON
 from ..format.metadata import (
     CHECKSUM_TABLE_FILE,
@@ -34,9 +36,9 @@ from ..planning.planner import SavePlan
 from ..storage import Storage
 from ..storage.packs import st_views
 
-# (object file entry, {array path: {chunk name: block crc32s}}) or None, and an error message or None
-# What one rank wrote: its object file, {array: {chunk: block crc32s}}, {array: {chunk: (pack, offset)}}
-WriteResult = Tuple[ObjectFileMeta, Dict[str, Dict[str, Any]], Dict[str, Dict[str, Tuple[str, int]]]]
+# What one rank wrote: its object file and its ChunkTables (and None), or its object file,
+# {array: {chunk: block crc32s}} and {array: {chunk: (pack, offset)}}
+WriteResult = Tuple[ObjectFileMeta, Any, Optional[Dict[str, Dict[str, Tuple[str, int]]]]]
 # (what it wrote, or None) and an error message, or None
 RankResult = Tuple[Optional[WriteResult], Optional[str]]
 
@@ -67,19 +69,37 @@ def metadata_files(url: str, full: SavePlan, save_id: str, data_dir: str, world_
     """(metadata.json, checksum table file or None) of a save whose every rank succeeded, else
     raise naming the failed ranks. A plan saved before has its layout serialized already
     (LayoutJSON): only the data directory and the tables are filled in."""
-    checksums, where = _merged(url, results)
+    _raise_failed(url, results)
     layout = LAYOUTS.get(full, structure)
+    if layout is not None and not full.safetensors and all(isinstance(res[1], ChunkTables) for res, _ in results):
+        # every rank's tables as arrays, placed by index: no per-chunk work here (issue 48)
+        try:
+            crcs, packs, where = chunk_tables.merge([res[1] for res, _ in results], layout.blocks)
+        except ValueError:  # a chunk missing or reported twice: named by the general path below
+            pass
+        else:
+            return layout.render_tables(FORMAT_VERSION, data_dir, crcs, where,
+                                        _rest(full, save_id, data_dir, world_size, results, info, packs, {}), table_key)
+    checksums, where = _merged(url, results, full)
     if layout is not None:
         packs, index, st_packs = _packs(full, where)
-        rest = {"format": FORMAT_NAME, "save_id": save_id, "world_size": world_size,
-                "objects": [_object_entry(res[0]) for res, _ in results],
-                "info": _info(full, data_dir, info), "packs": list(packs), "safetensors": st_packs}
         try:
-            return layout.render(FORMAT_VERSION, data_dir, checksums, where, index, rest, table_key)
+            return layout.render(FORMAT_VERSION, data_dir, checksums, where, index,
+                                 _rest(full, save_id, data_dir, world_size, results, info, packs, st_packs),
+                                 table_key)
         except (KeyError, ValueError):  # a chunk without its checksums or location: named below
             pass
     md = build_metadata(url, full, save_id, data_dir, world_size, structure, results, info, (checksums, where))
     return md.to_files(table_key)
+
+
+def _rest(full: SavePlan, save_id: str, data_dir: str, world_size: int, results: List[RankResult],
+          info: Optional[Dict[str, Any]], packs: Tuple[str, ...], st_packs: Dict[str, Tuple[int, ...]]
+          ) -> Dict[str, Any]:
+    """metadata.json's entries besides the layout and the tables."""
+    return {"format": FORMAT_NAME, "save_id": save_id, "world_size": world_size,
+            "objects": [_object_entry(res[0]) for res, _ in results],
+            "info": _info(full, data_dir, info), "packs": list(packs), "safetensors": st_packs}
 
 
 def build_metadata(url: str, full: SavePlan, save_id: str, data_dir: str, world_size: int, structure: Any,
@@ -87,7 +107,7 @@ def build_metadata(url: str, full: SavePlan, save_id: str, data_dir: str, world_
     """The global metadata of a save whose every rank succeeded; else raise naming the failed ranks.
     `info`: more entries for its info object (e.g. the training step and capture time); `merged`:
     the results' tables merged already (_merged)."""
-    checksums, where = merged if merged is not None else _merged(url, results)
+    checksums, where = merged if merged is not None else _merged(url, results, full)
     packs, index, st_packs = _packs(full, where)
     locations = {path: {name: (index[key], off & 0xFFFFFFFF, off >> 32) for name, (key, off) in locs.items()}
                  for path, locs in where.items()}
@@ -114,24 +134,30 @@ def _packs(full: SavePlan, where: Dict[str, Dict[str, Tuple[str, int]]]
     return packs, index, {g: tuple(sorted(index[k] for k in keys)) for g, keys in st_views(full, where).items()}
 
 
-def _merged(url: str, results: List[RankResult]
-            ) -> Tuple[Dict[str, Dict[str, Any]], Dict[str, Dict[str, Tuple[str, int]]]]:
-    """Every rank's ({array: {chunk: block crc32s}}, {array: {chunk: (pack, offset)}}); raises
-    naming the ranks that failed."""
+def _raise_failed(url: str, results: List[RankResult]) -> None:
     failed = [(r, err) for r, (_, err) in enumerate(results) if err is not None]
     if failed:
         detail = "; ".join(f"rank {r}: {e}" for r, e in failed[:8])
         raise CheckpointError(f"save to {url!r} failed on {len(failed)} rank(s), nothing was committed "
                               f"(a previous checkpoint there is intact): {detail}")
-    if len(results) == 1:
-        return results[0][0][1], results[0][0][2]
+
+
+def _merged(url: str, results: List[RankResult], full: SavePlan
+            ) -> Tuple[Dict[str, Dict[str, Any]], Dict[str, Dict[str, Tuple[str, int]]]]:
+    """Every rank's ({array: {chunk: block crc32s}}, {array: {chunk: (pack, offset)}}); raises
+    naming the ranks that failed. Ranks' ChunkTables are turned into that form (per-chunk work)."""
+    _raise_failed(url, results)
     checksums: Dict[str, Dict[str, Any]] = {}
     where: Dict[str, Dict[str, Tuple[str, int]]] = {}
     for res, _ in results:
-        for path, sums in res[1].items():
-            checksums.setdefault(path, {}).update(sums)
-        for path, locs in res[2].items():
-            where.setdefault(path, {}).update(locs)
+        sums, locs = (chunk_tables.as_dicts([res[1]], full.arrays) if isinstance(res[1], ChunkTables)
+                      else (res[1], res[2]))
+        if len(results) == 1:
+            return sums, locs
+        for path, s in sums.items():
+            checksums.setdefault(path, {}).update(s)
+        for path, l in locs.items():
+            where.setdefault(path, {}).update(l)
     return checksums, where
 
 
@@ -225,7 +251,9 @@ class MarkerBoard:
     def publish(self, result: RankResult) -> None:
         res, err = result
         body = {"error": err}
-        if res is not None:
+        if res is not None and isinstance(res[1], ChunkTables):
+            body.update(object=asdict(res[0]), tables=res[1].to_json())
+        elif res is not None:
             body.update(object=asdict(res[0]), checksums=res[1], locations=res[2])
         self.store.put(f"{self.prefix}rank_{self.rank}.json", json.dumps(body).encode())
 
@@ -241,6 +269,8 @@ class MarkerBoard:
             body = json.loads(self.store.get(name) or b"{}")
             if body.get("error") is not None or "object" not in body:
                 out.append((None, body.get("error") or "no result"))
+            elif "tables" in body:
+                out.append(((ObjectFileMeta(**body["object"]), ChunkTables.from_json(body["tables"]), None), None))
             else:
                 locations = {p: {n: (k, int(o)) for n, (k, o) in locs.items()}
                              for p, locs in body.get("locations", {}).items()}

@@ -24,8 +24,8 @@ from ..common.errors import (
     StateMismatchError,
     partly_written,
 )
-from ..dist import zero_redundancy
-from ..dist.comm import Comm
+from ..collectives import zero_redundancy
+from ..collectives.comm import Comm
 from ..format.metadata import METADATA_FILE, Metadata, dtype_itemsize
 from ..monitor import OFF, Phase, Recorder, load_metrics, record_key, write_record
 from ..planning.planner import ReadItem, TargetSpec, check_targets, plan_load

@@ -14,7 +14,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional, Protocol, Sequence, Tuple, Union
 
-from ..dist.comm import Comm
+from ..collectives.comm import Comm
 from ..monitor import OFF, Recorder
 from ..planning.planner import LocalPlan, SavePlan
 from ..state.flatten import TypeRegistry

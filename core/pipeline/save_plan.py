@@ -6,6 +6,7 @@ pipeline/save.py's.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import pickle
 import time
@@ -15,8 +16,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..common import dtypes
 from ..common.errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, IncompleteCheckpointError
-from ..dist.comm import Comm
-from ..format import codec
+from ..collectives.comm import Comm
+from ..format import chunk_tables, codec
 from ..format.metadata import METADATA_FILE, Metadata
 from ..planning.planner import (
     LocalPlan,
@@ -159,14 +160,17 @@ def plan(comm: Comm, manifest: Optional[RankManifest], cache: PlanCache,
             full = plan_save([g[0] for g in gathered], safetensors=safetensors)
             save_id, old = begin()
             shared, extras = split_for_ranks(full)
-            head = (True, (shared, extras is not None, save_id, old, structure_union.senders([g[1] for g in gathered])))
+            head = (True, (shared, extras is not None, save_id, old, structure_union.senders([g[1] for g in gathered]),
+                           chunk_tables.chunk_bases(full.arrays)))
         except Exception as exc:  # noqa: BLE001 - shipped to every rank
             head = (False, exc)
     ok, value = comm.broadcast(head)
     if not ok:
         raise value
-    shared, has_extras, save_id, old, senders = value
-    local = local_plan(shared, comm.scatter(extras) if has_extras else None, comm.rank)
+    shared, has_extras, save_id, old, senders, bases = value
+    # every array's first chunk position: ranks report their chunks by position (format/chunk_tables.py)
+    local = dataclasses.replace(local_plan(shared, comm.scatter(extras) if has_extras else None, comm.rank),
+                                chunk_bases=bases)
     merged = _union(comm, structure, senders)
     cache.put(cache_key, _CachedPlan(fingerprint, local, full, merged))
     return local, full, save_id, old, merged

@@ -13,7 +13,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..common.errors import CheckpointError, CheckpointExistsError
-from ..dist.comm import Comm
+from ..collectives.comm import Comm
+from ..format import chunk_tables
 from ..format.metadata import Metadata, ObjectFileMeta
 from ..geometry.regions import relative
 from ..monitor import OFF, Recorder, record_key, write_record
@@ -53,18 +54,39 @@ def write_local(store: Storage, workers: Workers, data_dir: str, local: LocalPla
     `background`: an async save's job (local packs bypass the page cache: PosixStorage)."""
     arrays = {p: commit.rooted(a, data_dir) for p, a in local.arrays.items()}
     with rec.span("write.encode", count=len(data)):
-        items = [(w.array, chunks.chunk_name(index), payload) for w, t in zip(local.writes, data)
-                 for index, payload in chunks.encode_box(arrays[w.array], w.array_offsets, t)]
+        encoded = [(w.array, index, payload) for w, t in zip(local.writes, data)
+                   for index, payload in chunks.encode_box(arrays[w.array], w.array_offsets, t)]
+        items = [(array, chunks.chunk_name(index), payload) for array, index, payload in encoded]
     obj_path = f"{data_dir}/objects/rank_{rank}.json"
     store.prepare([obj_path])
-    checksums, locations = packs.write(store, workers, data_dir, rank, items, chunks.block_checksums,
-                                       chunks.BLOCK_BYTES, rec if rec.enabled else None,
-                                       packs.st_arrays(local) if local.safetensors else None, background)
+    sums, where = packs.write(store, workers, data_dir, rank, items, chunks.block_checksums,
+                              chunks.BLOCK_BYTES, rec if rec.enabled else None,
+                              packs.st_arrays(local) if local.safetensors else None, background)
+    tables = _tables(local, encoded, sums, where)
     with rec.span("write.objects", len(objects_blob), 1):
         store.put(obj_path, objects_blob)
     with rec.span("write.sync"):
         store.sync()  # durable before reporting success (big packs were fdatasync'ed as written)
-    return ObjectFileMeta(rank, obj_path, len(objects_blob), zlib.crc32(objects_blob)), checksums, locations
+    return ObjectFileMeta(rank, obj_path, len(objects_blob), zlib.crc32(objects_blob)), *tables
+
+
+def _tables(local: LocalPlan, encoded, sums, where) -> tuple:
+    """What this rank wrote, for the commit: as ChunkTables (global positions, no names) when the
+    plan gave every array's first position, else as {array: {chunk: crc32s}}, {array: {chunk: where}}.
+    A chunk given twice (a 0-d array's) counts once, its last copy."""
+    bases = local.chunk_bases
+    if bases and all(array in bases for array, _, _ in encoded):
+        last = {chunk_tables.position(bases[array], local.arrays[array], index): i
+                for i, (array, index, _) in enumerate(encoded) if where[i] is not None}
+        return chunk_tables.ChunkTables.build(list(last), [sums[i] for i in last.values()],
+                                              [where[i] for i in last.values()]), None
+    checksums: Dict[str, Dict[str, Any]] = {}
+    locations: Dict[str, Dict[str, Any]] = {}
+    for (array, index, _), crcs, at in zip(encoded, sums, where):
+        if at is not None:
+            checksums.setdefault(array, {})[chunks.chunk_name(index)] = crcs
+            locations.setdefault(array, {})[chunks.chunk_name(index)] = at
+    return checksums, locations
 
 
 @dataclass

@@ -55,6 +55,7 @@ class LocalPlan:
     creates: Tuple[str, ...]
     arrays: Mapping[str, ArrayMeta]        # the arrays this rank touches (data-dir relative)
     safetensors: Tuple[str, ...] = ()      # key paths written as safetensors packs (storage/packs.py)
+    chunk_bases: Mapping[str, int] = field(default_factory=dict)  # format/chunk_tables.py: every array's
 
 
 @dataclass(frozen=True)

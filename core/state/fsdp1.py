@@ -36,7 +36,7 @@ from torch import nn
 from ..common import torch_compat
 from ..common.errors import CheckpointError
 from ..common.shards import FlatShard
-from ..dist.comm import Comm
+from ..collectives.comm import Comm
 from . import optimizers
 
 log = logging.getLogger("bytecheckpoint")

@@ -62,9 +62,9 @@ Item = Tuple[str, str, np.ndarray]  # (array path, chunk name, payload)
 
 def write(storage, workers, data_dir: str, rank: int, items: Sequence[Item], block_checksums, block_bytes: int,
           rec=None, safetensors: Optional[Mapping[str, STArray]] = None, background: bool = False
-          ) -> Tuple[Dict[str, Dict[str, Tuple[int, ...]]], Dict[str, Dict[str, Tuple[str, int]]]]:
-    """Write `items` into this rank's packs; returns ({array: {chunk: block crc32s}},
-    {array: {chunk: (pack key, offset)}}). `rec` (a monitor Recorder) gets a "write.pack" span
+          ) -> Tuple[List[Tuple[int, ...]], List[Optional[Tuple[str, int]]]]:
+    """Write `items` into this rank's packs; returns each item's block crc32s and (pack key, offset)
+    (None for an item not written: a second copy of a chunk in a safetensors pack). `rec` (a monitor Recorder) gets a "write.pack" span
     per pack. `safetensors` (st_arrays): arrays whose chunks go into safetensors packs (format 6).
     `background`: written by an async save's job (Storage.write_parts)."""
     views = [memoryview(np.ascontiguousarray(p)).cast("B") for _, _, p in items]
@@ -110,14 +110,11 @@ def write(storage, workers, data_dir: str, rank: int, items: Sequence[Item], blo
             rec.add("write.pack", t0, time.perf_counter(), pos, len(members[k]))
         return sums
 
-    checksums: Dict[str, Dict[str, Tuple[int, ...]]] = {}
-    locations: Dict[str, Dict[str, Tuple[str, int]]] = {}
+    sums: List[Tuple[int, ...]] = [()] * len(items)
     for per_pack in workers.map(write_pack, list(range(len(keys)))):
         for i, crcs in per_pack.items():
-            array, name, _ = items[i]
-            checksums.setdefault(array, {})[name] = crcs
-            locations.setdefault(array, {})[name] = (keys[where[i][0]], where[i][1])
-    return checksums, locations
+            sums[i] = crcs
+    return sums, [(keys[where[i][0]], where[i][1]) if i in where else None for i in range(len(items))]
 
 
 # ---------------------------------------------------------------------- safetensors packs (format 6)

@@ -29,9 +29,9 @@ import torch.distributed as dist
 
 from ..common import dtypes, torch_compat
 from ..common.errors import CheckpointError, PeerTimeoutError
-from ..dist.comm import LOCAL, Comm
-from ..dist.liveness import PeerWatch
-from ..dist.zero_redundancy import SharedPlan
+from ..collectives.comm import LOCAL, Comm
+from ..collectives.liveness import PeerWatch
+from ..collectives.zero_redundancy import SharedPlan
 from ..format.metadata import Metadata, dtype_itemsize, order_key
 from ..pipeline import commit
 from ..pipeline.save_plan import new_save_id

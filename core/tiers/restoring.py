@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
-from ..dist.comm import Comm
+from ..collectives.comm import Comm
 from ..pipeline import load as loader
 from ..pipeline.workers import Workers
 from ..state.flatten import TypeRegistry, top_level_placeholders

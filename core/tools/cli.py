@@ -240,7 +240,7 @@ def _torchrun_comm():
 
     import torch.distributed as dist
 
-    from ..dist.comm import Comm
+    from ..collectives.comm import Comm
     if not dist.is_initialized():
         timeout = float(os.environ.get("BCP_COLLECTIVE_TIMEOUT_S", "1800"))
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout))

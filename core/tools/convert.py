@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from ..common.errors import CheckpointError, CheckpointExistsError
-from ..dist.comm import LOCAL, Comm
+from ..collectives.comm import LOCAL, Comm
 from ..format.metadata import Metadata
 from ..pipeline.load import read_full_tensors
 from ..pipeline.plain_values import read_objects

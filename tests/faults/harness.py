@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -102,6 +102,26 @@ def wait_markers(marker_dir: str, name: str, world: int, job: Job, timeout: floa
             return False
         time.sleep(0.002)
     return False
+
+
+def kill_when_ready(job: Job, marker_dir: str, rng, window: float, victims: str, survivor_exit_s: float,
+                    trial: int) -> Tuple[int, int]:
+    """Once every rank marked `ready` (about to save), wait a random time within `window` and SIGKILL
+    one random rank (victims "one") or every rank ("all"); every survivor must exit by itself within
+    `survivor_exit_s`. Returns (survivors, survivors that exited with an error)."""
+    world = job.world
+    assert wait_markers(marker_dir, "ready", world, job, 120), f"trial {trial}: never ready:\n{job.describe()}"
+    time.sleep(rng.uniform(0, window))
+    dead = list(range(world)) if victims == "all" else [rng.randrange(world)]
+    job.kill(dead)
+    codes = job.wait(survivor_exit_s)
+    survivors = [r for r in range(world) if r not in dead]
+    if any(codes[r] is None for r in survivors):
+        job.dump_stacks()
+    for r in survivors:
+        assert codes[r] is not None, f"trial {trial}: surviving rank {r} hung after its peer was killed:\n" \
+                                     f"{job.describe()}"
+    return len(survivors), sum(codes[r] != 0 for r in survivors)
 
 
 def run(target: str, world: int, args: dict, timeout: float = 120, env: Optional[Dict[str, str]] = None) -> List[str]:

@@ -23,7 +23,7 @@ import pytest
 import bytecheckpoint as bcp
 
 import fault_scenarios as fs
-from harness import Job, judge, run, wait_markers
+from harness import Job, judge, kill_when_ready, run
 
 WORLD = 2
 SURVIVOR_EXIT_S = 45.0       # survivors must notice the dead peer and exit by themselves within this
@@ -64,18 +64,9 @@ def kill_trials(tmp_path, plan, *, overwrite: bool = False, name: str = "kill_tr
                   {"path": target, "version": new_version, "async_save": async_save, "overwrite": overwrite,
                    "marker_dir": str(markers), "scale": SCALE})
         try:
-            assert wait_markers(str(markers), "ready", WORLD, job, 90), f"ranks never got ready:\n{job.describe()}"
-            time.sleep(rng.uniform(0, window))
-            dead = list(range(WORLD)) if victims == "all" else [rng.randrange(WORLD)]
-            job.kill(dead)
-            codes = job.wait(SURVIVOR_EXIT_S)
-            if any(codes[r] is None for r in range(WORLD) if r not in dead):
-                job.dump_stacks()
-            for r in (r for r in range(WORLD) if r not in dead):
-                survivor_checks += 1
-                assert codes[r] is not None, f"trial {i}: surviving rank {r} hung after its peer was killed:\n" \
-                                             f"{job.describe()}"
-                survivors_errored += codes[r] != 0
+            checked, errored = kill_when_ready(job, str(markers), rng, window, victims, SURVIVOR_EXIT_S, i)
+            survivor_checks += checked
+            survivors_errored += errored
         finally:
             job.finish(5)
         mode = f"{'async' if async_save else 'sync'}-{victims}"

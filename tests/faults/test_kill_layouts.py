@@ -32,7 +32,7 @@ import torch
 
 import bytecheckpoint as bcp
 
-from harness import Job, run, wait_markers
+from harness import Job, kill_when_ready, run
 from test_kill import SEED, SURVIVOR_EXIT_S, _report, _save_seconds
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -104,15 +104,9 @@ def test_kill_during_a_layouts_save(tmp_path, layout, mode):
                                             saves={2: str(root / "step_2")}, async_save=async_save,
                                             marker_dir=str(markers)))
         try:
-            assert wait_markers(str(markers), "ready", world, job, 120), f"never ready:\n{job.describe()}"
-            time.sleep(rng.uniform(0, window))
-            dead = list(range(world)) if victims == "all" else [rng.randrange(world)]
-            job.kill(dead)
-            codes = job.wait(SURVIVOR_EXIT_S)
-            for r in (r for r in range(world) if r not in dead):
-                survivor_checks += 1
-                assert codes[r] is not None, f"trial {i}: surviving rank {r} hung:\n{job.describe()}"
-                survivors_errored += codes[r] != 0
+            checked, errored = kill_when_ready(job, str(markers), rng, window, victims, SURVIVOR_EXIT_S, i)
+            survivor_checks += checked
+            survivors_errored += errored
         finally:
             job.finish(5)
         step2 = str(root / "step_2")

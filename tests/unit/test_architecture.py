@@ -122,7 +122,7 @@ def test_no_module_over_500_lines():
 # The engine's layers, bottom up (docs/architecture.md draws the same order): a module imports only
 # from its own folder and the folders below it. The facade is the modules left directly in core/
 # (checkpointer, api); the package's own __init__/__main__ only re-export and are not a layer.
-LAYERS = ("common", "monitor", "geometry", "format", "planning", "storage", "foreign", "dist", "state", "data", "pipeline", "catalog", "tiers",
+LAYERS = ("common", "monitor", "geometry", "format", "planning", "storage", "foreign", "collectives", "state", "data", "pipeline", "catalog", "tiers",
           "facade", "tools", "adapters")
 ROOT_ONLY = {"bytecheckpoint", "bytecheckpoint.__main__"}
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
 import bytecheckpoint as bcp
-from bytecheckpoint.format import layout_json, metadata
+from bytecheckpoint.format import chunk_tables, layout_json, metadata
 from bytecheckpoint.pipeline import commit
 
 
@@ -42,8 +43,8 @@ def test_repeated_saves_render_from_one_layout(tmp_path, monkeypatch):
     monkeypatch.setattr(layout_json.LayoutJSON, "build", staticmethod(lambda *a: built.append(1) or build(*a)))
     state = _state()
     rendered = []
-    render = layout_json.LayoutJSON.render
-    monkeypatch.setattr(layout_json.LayoutJSON, "render", lambda *a: rendered.append(1) or render(*a))
+    render = layout_json.LayoutJSON.render_tables  # both ways in: the ranks' ChunkTables, or dicts
+    monkeypatch.setattr(layout_json.LayoutJSON, "render_tables", lambda *a: rendered.append(1) or render(*a))
     mds = _saved(tmp_path, "a", state)
     assert len(built) == 1 and len(rendered) == 3  # one plan, serialized once, every save rendered from it
     assert mds[1]["tensors"].keys() == mds[0]["tensors"].keys()
@@ -57,8 +58,8 @@ def test_tables_in_their_own_file(tmp_path, monkeypatch):
     """Large tables (4096 ranks' worth) go beside the data: version 4's checksum_table entry."""
     monkeypatch.setattr(metadata, "TABLE_FILE_MIN_BYTES", 64)
     rendered = []
-    render = layout_json.LayoutJSON.render
-    monkeypatch.setattr(layout_json.LayoutJSON, "render", lambda *a: rendered.append(1) or render(*a))
+    render = layout_json.LayoutJSON.render_tables  # both ways in: the ranks' ChunkTables, or dicts
+    monkeypatch.setattr(layout_json.LayoutJSON, "render_tables", lambda *a: rendered.append(1) or render(*a))
     mds = _saved(tmp_path, "t", _state())
     assert len(rendered) == 3  # every save from the layout (layout_check.py compares the bytes)
     assert all("checksum_table" in md for md in mds)
@@ -70,8 +71,8 @@ def test_tables_in_their_own_file(tmp_path, monkeypatch):
 def test_safetensors_packs(tmp_path, monkeypatch):
     model = torch.nn.Linear(16, 4)
     rendered = []
-    render = layout_json.LayoutJSON.render
-    monkeypatch.setattr(layout_json.LayoutJSON, "render", lambda *a: rendered.append(1) or render(*a))
+    render = layout_json.LayoutJSON.render_tables  # both ways in: the ranks' ChunkTables, or dicts
+    monkeypatch.setattr(layout_json.LayoutJSON, "render_tables", lambda *a: rendered.append(1) or render(*a))
     mds = _saved(tmp_path, "s", {"model": model, "step": 1}, safetensors=["model"])
     assert len(rendered) == 3
     assert all(md["version"] == metadata.SAFETENSORS_VERSION and md["safetensors"] for md in mds)
@@ -104,11 +105,23 @@ def test_a_chunk_without_checksums_is_named(tmp_path):
     finally:
         commit.metadata_files = original
     url, full, save_id, data_dir, world, structure, results, info, table_key = captured["args"]
-    obj, sums, where = results[0][0]
+    obj, tables, _ = results[0][0]
+    assert isinstance(tables, chunk_tables.ChunkTables)  # what a rank sends: arrays by position
+    sums, where = chunk_tables.as_dicts([tables], full.arrays)
     broken = [((obj, {p: {} if p.startswith("v~") else s for p, s in sums.items()}, where), None)]
     assert commit.LAYOUTS.get(full, structure) is not None
     with pytest.raises(ValueError, match="no checksum for chunk"):
         commit.metadata_files(url, full, save_id, data_dir, world, structure, broken, info, table_key)
+    # the same chunk left out of the ranks' tables: the merge by position gives up, the general path names it
+    v = next(p for p in full.arrays if p.startswith("v~"))
+    keep = tables.positions != chunk_tables.chunk_bases(full.arrays)[v]
+    ends = np.cumsum(tables.nblocks)
+    blocks = np.concatenate([np.arange(e - n, e) for e, n, k in zip(ends, tables.nblocks, keep) if k])
+    short = chunk_tables.ChunkTables(tables.positions[keep], tables.nblocks[keep], tables.crcs[blocks],
+                                     tables.pack_keys, tables.packs[keep], tables.offsets[keep])
+    with pytest.raises(ValueError, match="no checksum for chunk"):
+        commit.metadata_files(url, full, save_id, data_dir, world, structure, [((obj, short, None), None)], info,
+                              table_key)
 
 
 def test_a_layout_goes_with_its_plan(tmp_path):

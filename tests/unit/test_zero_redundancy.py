@@ -2,7 +2,7 @@
 from types import SimpleNamespace
 
 from bytecheckpoint.format.metadata import ArrayMeta
-from bytecheckpoint.dist.zero_redundancy import whole_chunks
+from bytecheckpoint.collectives.zero_redundancy import whole_chunks
 
 
 def test_an_edge_chunk_needed_whole_is_shared_and_a_partial_one_is_not():
