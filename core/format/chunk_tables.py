@@ -88,9 +88,14 @@ def merge(tables: Sequence[ChunkTables], blocks: np.ndarray) -> Tuple[np.ndarray
     positions = np.concatenate([t.positions for t in tables]) if tables else np.zeros(0, np.int64)
     if len(positions) != total:
         raise ValueError(f"the ranks reported {len(positions)} chunks, the plan has {total}")
-    order = np.argsort(positions, kind="stable")
-    if total and not np.array_equal(positions[order], np.arange(total, dtype=np.int64)):
+    if total and (positions.min() < 0 or positions.max() >= total):
+        raise ValueError("a rank reported a chunk the plan does not have")
+    seen = np.zeros(total, dtype=bool)
+    seen[positions] = True
+    if not seen.all():  # as many reports as chunks: one left out means another reported twice
         raise ValueError("a chunk of the plan was not reported, or reported twice")
+    order = np.empty(total, dtype=np.int64)  # order[p]: the report of chunk p (a permutation: no sort)
+    order[positions] = np.arange(total, dtype=np.int64)
     nblocks = np.concatenate([t.nblocks for t in tables])
     lens = nblocks[order]
     if not np.array_equal(lens, blocks):
@@ -99,10 +104,12 @@ def merge(tables: Sequence[ChunkTables], blocks: np.ndarray) -> Tuple[np.ndarray
     starts = np.cumsum(nblocks) - nblocks                    # each chunk's first crc in `crcs`
     out_starts = np.cumsum(lens) - lens                       # ... and in the global order
     index = np.repeat(starts[order] - out_starts, lens) + np.arange(int(lens.sum()), dtype=np.int64)
-    keys = tuple(sorted({k for t in tables for k in t.pack_keys}))
+    listed = [k for t in tables for k in t.pack_keys]       # every rank's own pack list, back to back
+    keys = tuple(sorted(set(listed)))
     at = {k: i for i, k in enumerate(keys)}
-    packs = np.concatenate([np.asarray([at[k] for k in t.pack_keys], dtype=np.int64)[t.packs]
-                            if len(t.packs) else t.packs for t in tables])
+    global_of = np.fromiter((at[k] for k in listed), dtype=np.int64, count=len(listed))
+    firsts = np.cumsum([len(t.pack_keys) for t in tables]) - np.asarray([len(t.pack_keys) for t in tables])
+    packs = global_of[np.repeat(firsts, [len(t.packs) for t in tables]) + np.concatenate([t.packs for t in tables])]
     offsets = np.concatenate([t.offsets for t in tables])
     where = np.stack([packs[order], offsets[order] & 0xFFFFFFFF, offsets[order] >> 32], axis=1)
     return crcs[index], keys, where.astype("<u4").reshape(-1)
