@@ -21,6 +21,7 @@ test_kill.py's (BCP_FAULT_REPORT).
 from __future__ import annotations
 
 import collections
+import json
 import os
 import random
 import shutil
@@ -79,51 +80,92 @@ def _uncommitted_never_loads(path):
     raise AssertionError(f"the uncommitted save at {path} loaded")
 
 
-@pytest.mark.timeout(3000)
-@pytest.mark.parametrize("mode", MODES, ids=MODE_IDS)
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_kill_during_a_layouts_save(tmp_path, layout, mode):
+def _references(tmp_path, layout, async_save):
+    """The uninterrupted runs: one that saved only step 1 (into base/step_1), one that went on and
+    saved step 2; returns their final states and the save's seconds."""
     target, world, _ = LAYOUTS[layout]
-    async_save, victims = mode
-    rng = random.Random(f"{SEED}-{layout}-{mode}")
-    # the uninterrupted runs: one that saved only step 1, one that went on and saved step 2
     base = tmp_path / "base"
     run(target, world, _job_args(layout, tmp_path / "ref1", stop=1, saves={1: str(base / "step_1")}), timeout=180)
     outs = run(target, world, _job_args(layout, tmp_path / "ref2", load=str(base / "step_1"), stop=2,
                                         saves={2: str(base / "step_2")}, async_save=async_save), timeout=180)
-    want = {1: merged_outputs(str(tmp_path / "ref1")), 2: merged_outputs(str(tmp_path / "ref2"))}
-    window = max(0.05, 1.3 * _save_seconds(outs))
+    return {1: merged_outputs(str(tmp_path / "ref1")), 2: merged_outputs(str(tmp_path / "ref2"))}, _save_seconds(outs)
+
+
+def _killed_job(tmp_path, layout, i, async_save, marker_dir=None, env=None):
+    """Trial i: resume from a copy of the committed step 1, train step 2 and save it into trial<i>/."""
+    target, world, _ = LAYOUTS[layout]
+    root = tmp_path / f"trial{i}"
+    shutil.copytree(tmp_path / "base" / "step_1", root / "step_1")
+    return root, Job(target, world, _job_args(layout, tmp_path / f"killed{i}", load=str(root / "step_1"), stop=2,
+                                               saves={2: str(root / "step_2")}, async_save=async_save,
+                                               marker_dir=marker_dir), env=env)
+
+
+def _judge_and_resume(tmp_path, layout, i, root, want) -> str:
+    """What the kill left at step 2 (committed: loads and verifies; else never loadable), then the next
+    launch resumes from the newest committed step, equal to the run that saved only it."""
+    target, world, _ = LAYOUTS[layout]
+    step2 = str(root / "step_2")
+    kind = "complete" if bcp.is_checkpoint(step2) else _uncommitted_never_loads(step2)
+    if kind == "complete":
+        assert bcp.verify(step2).ok, f"trial {i}: a committed step 2 fails verify"
+    latest = bcp.latest(str(root))
+    step = 2 if kind == "complete" else 1
+    assert latest is not None and os.path.basename(latest) == f"step_{step}", (kind, latest)
+    run(target, world, _job_args(layout, tmp_path / f"resumed{i}", load=latest, stop=step), timeout=180)
+    _state_equal(merged_outputs(str(tmp_path / f"resumed{i}")), want[step], f"trial {i}: resumed from step {step} ({kind})")
+    return kind
+
+
+@pytest.mark.timeout(3000)
+@pytest.mark.parametrize("mode", MODES, ids=MODE_IDS)
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_kill_during_a_layouts_save(tmp_path, layout, mode):
+    async_save, victims = mode
+    rng = random.Random(f"{SEED}-{layout}-{mode}")
+    want, save_s = _references(tmp_path, layout, async_save)
+    window = max(0.05, 1.3 * save_s)
     outcomes = collections.Counter()
     survivors_errored = survivor_checks = 0
     for i in range(TRIALS):
-        root = tmp_path / f"trial{i}"
-        shutil.copytree(base / "step_1", root / "step_1")
         markers = tmp_path / f"markers{i}"
         markers.mkdir()
-        job = Job(target, world, _job_args(layout, tmp_path / f"killed{i}", load=str(root / "step_1"), stop=2,
-                                            saves={2: str(root / "step_2")}, async_save=async_save,
-                                            marker_dir=str(markers)))
+        root, job = _killed_job(tmp_path, layout, i, async_save, str(markers))
         try:
             checked, errored = kill_when_ready(job, str(markers), rng, window, victims, SURVIVOR_EXIT_S, i)
             survivor_checks += checked
             survivors_errored += errored
         finally:
             job.finish(5)
-        step2 = str(root / "step_2")
-        kind = "complete" if bcp.is_checkpoint(step2) else _uncommitted_never_loads(step2)
-        if kind == "complete":
-            assert bcp.verify(step2).ok, f"trial {i}: a committed step 2 fails verify"
-        latest = bcp.latest(str(root))
-        step = 2 if kind == "complete" else 1
-        assert latest is not None and os.path.basename(latest) == f"step_{step}", (kind, latest)
-        run(target, world, _job_args(layout, tmp_path / f"resumed{i}", load=latest, stop=step), timeout=180)
-        _state_equal(merged_outputs(str(tmp_path / f"resumed{i}")), want[step],
-                     f"trial {i}: resumed from step {step} ({kind})")
-        outcomes[kind] += 1
+        outcomes[_judge_and_resume(tmp_path, layout, i, root, want)] += 1
     _report(f"kill_{layout}", {"mode": "-".join(["async" if async_save else "sync", victims]), "trials": TRIALS,
                                "outcomes": dict(sorted(outcomes.items())), "survivor_checks": survivor_checks,
                                "survivors_exited_with_error": survivors_errored, "kill_window_s": round(window, 3)})
     assert sum(outcomes.values()) == TRIALS
+
+
+# SIGKILL from inside the storage layer at chosen requests of step 2's save (BCP_FAULTS kind "kill"):
+# the moments random kills rarely hit, every time
+POINTS = {
+    "mid-data": ({"op": "write", "kind": "kill", "key": "/pack/", "rank": 1}, False),
+    "before-commit": ({"op": "write", "kind": "kill", "key": "metadata.json", "rank": 0}, False),
+    "async-before-commit": ({"op": "write", "kind": "kill", "key": "metadata.json", "rank": 0}, True),
+}
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("point", sorted(POINTS))
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_kill_at_an_exact_point_of_a_layouts_save(tmp_path, layout, point):
+    rule, async_save = POINTS[point]
+    want, _ = _references(tmp_path, layout, async_save)
+    root, job = _killed_job(tmp_path, layout, 0, async_save, env={"BCP_FAULTS": json.dumps([rule])})
+    codes = job.finish(120)
+    assert codes[rule["rank"]] == -9, f"{point}: rank {rule['rank']} was not killed there:\n{job.describe()}"
+    assert all(c not in (0, None) for c in codes), f"{point}: a survivor did not fail:\n{job.describe()}"
+    kind = _judge_and_resume(tmp_path, layout, 0, root, want)
+    assert kind == "incomplete", kind
+    _report(f"kill_{layout}_at_{point}", {"trials": 1, "outcomes": {kind: 1}})
 
 
 # ---------------------------------------------------------------------- torchtitan's Trainer

@@ -177,7 +177,13 @@ class SeaweedS3:
         return opts
 
     def create_bucket(self, name: str) -> None:
-        self._request("PUT", f"/{name}")
+        """Create `name`; one this server already holds is kept (a module fixture set up again in the
+        same pytest worker asks for the same bucket: 409 BucketAlreadyOwnedByYou)."""
+        try:
+            self._request("PUT", f"/{name}")
+        except urllib.error.HTTPError as exc:
+            if exc.code != 409:
+                raise
 
     def _request(self, method: str, path: str, body: Optional[bytes] = None) -> bytes:
         """Unsigned request (only used without auth, or for the readiness probe before auth applies)."""

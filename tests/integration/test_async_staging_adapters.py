@@ -20,9 +20,9 @@ from scenarios_async_staging import same  # noqa: E402  (tests/ is on sys.path)
 pytestmark = pytest.mark.timeout(300)
 
 
-def slow_copies(monkeypatch, seconds: float = 0.4) -> None:
+def slow_copies(monkeypatch, seconds: float = 1.0) -> None:
     """Long enough that the next step comes before the copy lands, even on a loaded machine (at 0.1 s
-    the Trainer once stepped after it: no step waited)."""
+    the Trainer once stepped after it: no step waited; at 0.4 s once too, with 3 pytest workers on 2 cores)."""
     original = stage.copy_deferred
 
     def slow(pairs):
