@@ -3,8 +3,8 @@
 A chunk's global position: the save plan's arrays in their order, each array's chunks row-major
 (the order metadata.json's and the checksum table file's tables are in: LayoutJSON). A rank reports
 its chunks as `ChunkTables` (positions, block crc32s, pack and offset: no names, no dicts), and the
-coordinator places every rank's at once by index (`merge`): one concatenation and one sort for the
-whole job, where merging per-chunk dicts cost ~0.7 us a chunk (11.6 s at 16,384 ranks x 1000
+coordinator places every rank's at once by index (`merge`): one concatenation and one scatter for
+the whole job, where merging per-chunk dicts cost ~0.7 us a chunk (11.6 s at 16,384 ranks x 1000
 tensors). Pure: no I/O.
 """
 from __future__ import annotations

@@ -108,20 +108,24 @@ def kill_when_ready(job: Job, marker_dir: str, rng, window: float, victims: str,
                     trial: int) -> Tuple[int, int]:
     """Once every rank marked `ready` (about to save), wait a random time within `window` and SIGKILL
     one random rank (victims "one") or every rank ("all"); every survivor must exit by itself within
-    `survivor_exit_s`. Returns (survivors, survivors that exited with an error)."""
+    `survivor_exit_s`; then every process of the job is gone. Returns (survivors, survivors that exited
+    with an error)."""
     world = job.world
-    assert wait_markers(marker_dir, "ready", world, job, 120), f"trial {trial}: never ready:\n{job.describe()}"
-    time.sleep(rng.uniform(0, window))
-    dead = list(range(world)) if victims == "all" else [rng.randrange(world)]
-    job.kill(dead)
-    codes = job.wait(survivor_exit_s)
-    survivors = [r for r in range(world) if r not in dead]
-    if any(codes[r] is None for r in survivors):
-        job.dump_stacks()
-    for r in survivors:
-        assert codes[r] is not None, f"trial {trial}: surviving rank {r} hung after its peer was killed:\n" \
-                                     f"{job.describe()}"
-    return len(survivors), sum(codes[r] != 0 for r in survivors)
+    try:
+        assert wait_markers(marker_dir, "ready", world, job, 120), f"trial {trial}: never ready:\n{job.describe()}"
+        time.sleep(rng.uniform(0, window))
+        dead = list(range(world)) if victims == "all" else [rng.randrange(world)]
+        job.kill(dead)
+        codes = job.wait(survivor_exit_s)
+        survivors = [r for r in range(world) if r not in dead]
+        if any(codes[r] is None for r in survivors):
+            job.dump_stacks()
+        for r in survivors:
+            assert codes[r] is not None, f"trial {trial}: surviving rank {r} hung after its peer was killed:\n" \
+                                         f"{job.describe()}"
+        return len(survivors), sum(codes[r] != 0 for r in survivors)
+    finally:
+        job.finish(5)
 
 
 def run(target: str, world: int, args: dict, timeout: float = 120, env: Optional[Dict[str, str]] = None) -> List[str]:

@@ -63,12 +63,9 @@ def kill_trials(tmp_path, plan, *, overwrite: bool = False, name: str = "kill_tr
         job = Job("fault_scenarios:save_version", WORLD,
                   {"path": target, "version": new_version, "async_save": async_save, "overwrite": overwrite,
                    "marker_dir": str(markers), "scale": SCALE})
-        try:
-            checked, errored = kill_when_ready(job, str(markers), rng, window, victims, SURVIVOR_EXIT_S, i)
-            survivor_checks += checked
-            survivors_errored += errored
-        finally:
-            job.finish(5)
+        checked, errored = kill_when_ready(job, str(markers), rng, window, victims, SURVIVOR_EXIT_S, i)
+        survivor_checks += checked
+        survivors_errored += errored
         mode = f"{'async' if async_save else 'sync'}-{victims}"
         if overwrite:
             # the path holds either the old or the new checkpoint, whole
