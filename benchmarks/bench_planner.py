@@ -1,9 +1,10 @@
 """Planner at scale, in one process: simulated ranks x 1000 tensors, the coordinator's whole job.
 
-    python benchmarks/bench_planner.py [--quick] [--ranks 64 1024 4096] [--large-ranks 16384]
-                                       [--tensors 1000] [--layouts fsdp hsdp replicated]
+    python benchmarks/bench_planner.py [--quick] [--ranks 64 1024 4096] [--large-ranks 16384 65536]
+                                       [--lean-above 16384] [--tensors 1000] [--layouts fsdp hsdp replicated]
 
-(~1-2 minutes; ~2.5 GB of memory at 16384 ranks, most of it the simulated per-chunk checksums.
+(~4 minutes; ~4.5 GB of memory at 16384 ranks, most of it the simulated per-chunk checksums of the
+general path; rows above --lean-above ranks skip that path: ~10 GB at 65536 ranks.
 --quick: 64 and 1024 ranks only.)
 
 What a real save does on the coordinator, step by step, each timed:
@@ -147,23 +148,34 @@ def build_metadata(plan, world: int, sums):
                     {"data_dir": DATA_DIR, "bytes_per_rank": list(plan.bytes_per_rank)}, **extra)
 
 
-def rank_tables(sums, world: int):
+def chunk_arrays(plan, rng):
+    """Every chunk's block crc32s in the plan's chunk order (arrays in order, chunks row-major), as
+    numpy arrays: (chunks per array, block crc32s per chunk, the crc32s). Random values: the
+    coordinator's work does not depend on them."""
+    import numpy as np
+    from bytecheckpoint.format.chunk_tables import chunk_count
+    counts = np.asarray([chunk_count(a) for a in plan.arrays.values()], dtype=np.int64)
+    per_chunk = np.asarray([max(1, blocks_of(a)) for a in plan.arrays.values()], dtype=np.int64)
+    nblocks = np.repeat(per_chunk, counts)
+    crcs = np.random.default_rng(rng.getrandbits(32)).integers(0, 2**32, int(nblocks.sum()), dtype=np.uint32)
+    return counts, nblocks, crcs
+
+
+def rank_tables(counts, nblocks, crcs, world: int):
     """Each rank's ChunkTables (format/chunk_tables.py: what a rank reports since issue 48): chunk j of
     array i written by rank (i + j) % world into its one pack, chunks back to back (build_metadata's
-    locations above), with the checksums of `sums`."""
+    locations above), with the checksums of chunk_arrays."""
     import numpy as np
     from bytecheckpoint.format.chunk_tables import ChunkTables
-    counts = np.asarray([len(s) for _, s in sums.values()], dtype=np.int64)
     total = int(counts.sum())
     pos = np.arange(total, dtype=np.int64)
     first = np.repeat(np.cumsum(counts) - counts, counts)
     ranks = (np.repeat(np.arange(len(counts)), counts) + pos - first) % world
-    values = [v for _, s in sums.values() for v in s.values()]
-    nblocks = np.asarray([len(v) if isinstance(v, tuple) else 1 for v in values], dtype=np.int64)
-    crcs = np.fromiter((c for v in values for c in (v if isinstance(v, tuple) else (v,))), dtype=np.uint32)
+    del first
     crc_start = np.cumsum(nblocks) - nblocks
     order = np.argsort(ranks, kind="stable")
     bounds = np.cumsum(np.bincount(ranks, minlength=world))
+    del ranks
     out = []
     for r, mine in enumerate(np.split(order, bounds[:-1])):
         lens = nblocks[mine]
@@ -173,16 +185,16 @@ def rank_tables(sums, world: int):
     return out
 
 
-def metadata_per_save(plan, world: int, sums, repeats: int = 5):
+def metadata_per_save(plan, world: int, tables, repeats: int = 5):
     """A repeated save of an unchanged layout (issues 40, 48): metadata.json (+ table file) as
     commit.metadata_files makes it from every rank's ChunkTables, after a first save serialized the
     layout (pipeline/commit.py LAYOUTS). Returns (first save s, repeated save s (best of `repeats`),
     of which placing the ranks' tables s, metadata.json bytes, unpickling every rank's result s (the
-    gather's receiving end), one rank's pickled result bytes (the largest))."""
+    gather's receiving end), one rank's pickled result bytes (the largest), the coordinator's memory
+    GiB, (metadata.json, table file))."""
     from bytecheckpoint.format import chunk_tables
     from bytecheckpoint.pipeline import commit
     from bytecheckpoint.state.structure_union import SavedStructure
-    tables = rank_tables(sums, world)
     results = [((ObjectFileMeta(r, f"{DATA_DIR}/objects/rank_{r}.json", 2, 0), t, None), None)
                for r, t in enumerate(tables)]
     sent = [pickle.dumps(res) for res in results]
@@ -190,7 +202,7 @@ def metadata_per_save(plan, world: int, sums, repeats: int = 5):
     ranks = [pickle.loads(b) for b in sent]
     unpickle = time.perf_counter() - t0
     sent_max = max(map(len, sent))
-    del sent, results
+    del sent, results, tables
     structure = SavedStructure({"dict": []})
 
     def once():
@@ -211,12 +223,13 @@ def metadata_per_save(plan, world: int, sums, repeats: int = 5):
     gc.collect()
     held = sum(sum(a.nbytes for a in (t.positions, t.nblocks, t.crcs, t.packs, t.offsets))
                for t in (res[0][1] for res in ranks))
-    extra = peak_rss_during(once)
-    return first, best, merge, len(raw), unpickle, sent_max, (held + extra) / 2**30
+    del raw
+    files, extra = peak_rss_during(once)
+    return first, best, merge, len(files[0]), unpickle, sent_max, (held + extra) / 2**30, files
 
 
-def peak_rss_during(fn) -> int:
-    """Bytes the process's resident set grew by, at its peak, while fn() ran (sampled every 5 ms)."""
+def peak_rss_during(fn):
+    """(fn(), bytes the process's resident set grew by at its peak while fn() ran, sampled every 5 ms)."""
     import threading
 
     def rss() -> int:
@@ -231,11 +244,11 @@ def peak_rss_during(fn) -> int:
     thread = threading.Thread(target=sample, daemon=True)
     thread.start()
     try:
-        fn()
+        value = fn()
     finally:
         done.set()
         thread.join()
-    return max(0, max(peak[0], rss()) - before)
+    return value, max(0, max(peak[0], rss()) - before)
 
 
 def _rooted_tensor(t):
@@ -294,7 +307,9 @@ def objects_per_save(plan, with_table: bool) -> int:
     return sum(per_rank) + len(per_rank) + 1 + int(with_table)
 
 
-def run(layout: str, world: int, tensors: int, rng) -> dict:
+def run(layout: str, world: int, tensors: int, rng, lean: bool = False) -> dict:
+    """One row. lean: only the coordinator's path of today (every rank's ChunkTables placed by
+    index), not the general per-chunk path beside it (metadata build+json and its sizes)."""
     row = {"layout": layout, "ranks": world, "tensors": tensors}
     sent = payloads(world, tensors, layout)
     row["gather_bytes_rank0"] = len(sent[0])
@@ -319,31 +334,47 @@ def run(layout: str, world: int, tensors: int, rng) -> dict:
         row["local_s"] = max(best.values())
     else:
         row["broadcast_bytes"], row["local_s"] = "n/a", float("nan")
-    sums = with_checksums(plan, rng)
-    n_chunks = sum(len(s) for _, s in sums.values())
-    t0 = time.perf_counter()
-    built = build_metadata(plan, world, sums)
-    if hasattr(built, "to_files"):  # format 4: large checksum tables in a binary file beside the data
-        raw, table = built.to_files(f"{DATA_DIR}/checksums.bin")
-    else:
-        raw, table = built.to_json(), None
-    row["metadata_s"] = time.perf_counter() - t0
-    row["metadata_mib"] = len(raw) / 2**20
-    row["crc_mib"] = crc_table_bytes(raw) / 2**20  # inside metadata.json
-    row["table_mib"] = len(table or b"") / 2**20   # the checksum table file
-    row["inline_mib"] = len(built.to_json()) / 2**20 if table else row["metadata_mib"]  # format 3: tables inline
+    if not lean:  # the general metadata path (per-chunk dicts): ~17 GiB of Python objects at 65,536 ranks
+        sums = with_checksums(plan, rng)
+        t0 = time.perf_counter()
+        built = build_metadata(plan, world, sums)
+        if hasattr(built, "to_files"):  # format 4: large checksum tables in a binary file beside the data
+            raw, table = built.to_files(f"{DATA_DIR}/checksums.bin")
+        else:
+            raw, table = built.to_json(), None
+        row["metadata_s"] = time.perf_counter() - t0
+        row["metadata_mib"] = len(raw) / 2**20
+        row["crc_mib"] = crc_table_bytes(raw) / 2**20  # inside metadata.json
+        row["inline_mib"] = len(built.to_json()) / 2**20 if table else row["metadata_mib"]  # format 3: tables inline
+        del sums, built
     if hasattr(planner, "rank_part"):  # issue 40: a repeated save renders metadata.json from its cached layout
+        counts, nblocks, crcs = chunk_arrays(plan, rng)
+        row["chunks"] = int(counts.sum())
+        tables = rank_tables(counts, nblocks, crcs, world)
+        del counts, nblocks, crcs
         (row["metadata_first_s"], row["metadata_repeat_s"], row["merge_s"], size, row["tables_unpickle_s"],
-         row["tables_bytes"], row["coordinator_gib"]) = metadata_per_save(plan, world, sums,
-                                                                          repeats=2 if world > 4096 else 5)
+         row["tables_bytes"], row["coordinator_gib"], files) = metadata_per_save(plan, world, tables,
+                                                                                 repeats=2 if world > 4096 else 5)
+        del tables
         row["metadata_repeat_mib"] = size / 2**20
+        if lean:  # what a load reads: the files this path wrote (byte for byte the general path's)
+            raw, table = files
+            row["metadata_mib"] = len(raw) / 2**20
+        del files
+    row["table_mib"] = len(table or b"") / 2**20   # the checksum table file
     row["commit_bytes"] = max(commit_payload(plan, 0), commit_payload(plan, world // 2))
     row["objects"] = objects_per_save(plan, table is not None)
-    row["chunks"] = n_chunks
-    del sums
+    gc.collect()
     t0 = time.perf_counter()
     md = Metadata.from_json(raw, fetch=lambda path: table)  # parse includes the table file's check
     row["parse_s"] = time.perf_counter() - t0
+    # what the other ranks get: the coordinator's parsed metadata, broadcast (the tables as raw numpy bytes)
+    blob = pickle.dumps(md)
+    row["md_bcast_mib"] = len(blob) / 2**20
+    t0 = time.perf_counter()
+    pickle.loads(blob)
+    row["md_unpickle_s"] = time.perf_counter() - t0
+    del blob
     for name, resharded in (("load_s", False), ("reshard_load_s", True)):
         targets = load_targets(world, tensors, layout, resharded)
         row[name] = float("inf")
@@ -359,7 +390,8 @@ def run(layout: str, world: int, tensors: int, rng) -> dict:
         t0 = time.perf_counter()
         hashlib.sha1(pickle.dumps((world, mine))).hexdigest()
         row["cached_s"] = min(row["cached_s"], time.perf_counter() - t0)
-    row["coordinator_s"] = row["gather_s"] + row["plan_s"] + row["metadata_s"]
+    if "metadata_s" in row:
+        row["coordinator_s"] = row["gather_s"] + row["plan_s"] + row["metadata_s"]
     import resource
     row["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
     return row
@@ -381,7 +413,8 @@ COLUMNS = [("layout", "layout", "{}"), ("ranks", "ranks", "{}"), ("tensors", "te
            ("checksum table file (MiB)", "table_mib", "{:.1f}"),
            ("chunks", "chunks", "{}"), ("objects per save", "objects", "{}"),
            ("commit payload B/rank", "commit_bytes", "{}"),
-           ("parse (s)", "parse_s", "{:.2f}"), ("plan_load 1 rank (s)", "load_s", "{:.3f}"),
+           ("parse (s)", "parse_s", "{:.2f}"), ("metadata broadcast (MiB)", "md_bcast_mib", "{:.1f}"),
+           ("its unpickle, each other rank (s)", "md_unpickle_s", "{:.3f}"), ("plan_load 1 rank (s)", "load_s", "{:.3f}"),
            ("plan_load resharded (s)", "reshard_load_s", "{:.3f}"), ("cached check (s)", "cached_s", "{:.4f}")]
 
 
@@ -457,23 +490,25 @@ def targets(rows) -> list:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ranks", type=int, nargs="+", default=[64, 1024, 4096])
-    ap.add_argument("--large-ranks", type=int, default=16384, help="an fsdp run at this many ranks (0: none)")
+    ap.add_argument("--large-ranks", type=int, nargs="*", default=[16384, 65536],
+                    help="fsdp runs at these many ranks (none: --large-ranks with no value)")
+    ap.add_argument("--lean-above", type=int, default=16384,
+                    help="rows above this many ranks measure only today's path (65,536 ranks: ~10 GiB)")
     ap.add_argument("--tensors", type=int, default=1000)
     ap.add_argument("--layouts", nargs="+", default=["fsdp", "hsdp", "replicated"])
     ap.add_argument("--quick", action="store_true", default=os.environ.get("BCP_BENCH_QUICK") == "1",
                     help="64 and 1024 ranks only (what run_all.py --quick passes)")
     args = ap.parse_args(argv)
     if args.quick:
-        args.ranks, args.large_ranks = [64, 1024], 0
+        args.ranks, args.large_ranks = [64, 1024], []
     rng = random.Random(0)
     print("| " + " | ".join(c[0] for c in COLUMNS) + " |")
     print("|" + "---|" * len(COLUMNS))
     rows = []
     runs = [("fsdp", 1)] + [(layout, w) for layout in args.layouts for w in args.ranks]
-    if args.large_ranks:
-        runs.append(("fsdp", args.large_ranks))
+    runs += [("fsdp", w) for w in args.large_ranks]
     for layout, world in runs:
-        rows.append(run(layout, world, args.tensors, rng))
+        rows.append(run(layout, world, args.tensors, rng, lean=world > args.lean_above))
         print(fmt_row(rows[-1]), flush=True)
     print("\n| target | measured | limit | |\n|---|---|---|---|")
     for name, value, limit, unit, peer in targets(rows):

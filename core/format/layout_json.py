@@ -48,11 +48,11 @@ class LayoutJSON:
     the data directory and the per-save tables."""
 
     def __init__(self, fixed: Dumps, pieces: Dict[str, List[str]], slots: Dict[str, List[Tuple[int, int]]],
-                 arrays: Sequence[str], names: Sequence[Sequence[str]], blocks: Sequence[int], located: Sequence[bool],
-                 to_file: bool):
+                 arrays: Sequence[str], counts: Sequence[Tuple[int, ...]], blocks: Sequence[int],
+                 located: Sequence[bool], to_file: bool):
         self.fixed, self.pieces, self.slots = fixed, pieces, slots
-        self.arrays, self.names, self.located, self.to_file = arrays, names, located, to_file
-        n_chunks = np.array([len(n) for n in names], dtype=np.int64)
+        self.arrays, self.counts, self.located, self.to_file = arrays, counts, located, to_file
+        n_chunks = np.array([_n_chunks(c) for c in counts], dtype=np.int64)
         self.blocks = np.repeat(np.asarray(blocks, dtype=np.int64), n_chunks)  # block crc32s of each chunk
         crc_ends = np.cumsum(n_chunks * np.asarray(blocks, dtype=np.int64)).tolist()
         at_ends = np.cumsum(3 * n_chunks * np.asarray(located, dtype=np.int64)).tolist()
@@ -69,24 +69,24 @@ class LayoutJSON:
             return None
         order = list(arrays)
         counts = [crc.grid_counts(arrays[p].shape, arrays[p].chunks) for p in order]
-        names = [crc.chunk_names(c) if 0 not in c else [] for c in counts]
+        sizes = [_n_chunks(c) for c in counts]
         blocks = [blocks_per_chunk(arrays[p].chunks, arrays[p].dtype, block_bytes) for p in order]
-        located = [bool(n) for n in names]
-        table_bytes = 4 * sum(len(n) * (b + (3 if at else 0)) for n, b, at in zip(names, blocks, located))
+        located = [bool(n) for n in sizes]
+        table_bytes = 4 * sum(n * (b + (3 if at else 0)) for n, b, at in zip(sizes, blocks, located))
         to_file = table_bytes > metadata.TABLE_FILE_MIN_BYTES  # read here: tests lower it
         tables: Dict[Any, int] = {}
         rooted = {k: t.rooted(_DIR) for k, t in tensors.items()}
         entries: Dict[str, Any] = {}
         start = 0
-        for p, n, b, at in zip(order, names, blocks, located):
+        for p, n, b, at in zip(order, sizes, blocks, located):
             a = arrays[p]
             head = _array_head(ArrayMeta(f"{_DIR}/{p}", a.shape, a.chunks, a.dtype, {}, block_bytes))
             if to_file:
                 head["crc32_at"] = start
-                start += len(n) * b
+                start += n * b
                 if at:
                     head["at_at"] = start
-                    start += 3 * len(n)
+                    start += 3 * n
             else:
                 head["crc32"] = _CRC
                 if at:
@@ -113,7 +113,12 @@ class LayoutJSON:
                 slots[part].append((int(kind), queues[kind].popleft() if kind != "1" else -1))
         if any(queues.values()):
             return None
-        return LayoutJSON(fixed, pieces, slots, order, names, blocks, located, to_file)
+        return LayoutJSON(fixed, pieces, slots, order, counts, blocks, located, to_file)
+
+    def names(self) -> List[List[str]]:
+        """Every array's chunk names, row-major: built on demand (6M strings at 16,384 ranks x 1000
+        tensors would be most of a cached layout's memory; render_tables needs none)."""
+        return [crc.chunk_names(c) if _n_chunks(c) else [] for c in self.counts]
 
     def render(self, version: int, data_dir: str, sums: Mapping[str, Mapping[str, Sequence[int]]],
                locations: Mapping[str, Mapping[str, Tuple[str, int]]], pack_index: Mapping[str, int],
@@ -126,11 +131,12 @@ class LayoutJSON:
             raise ValueError(f"LayoutJSON writes formats {PACKED_VERSION}+ only, not {version}")
         if version == SAFETENSORS_VERSION and not rest.get("safetensors"):
             version = PACKED_VERSION
-        values = [sums[p][n] for p, names in zip(self.arrays, self.names) for n in names]
+        chunk_names = self.names()
+        values = [sums[p][n] for p, names in zip(self.arrays, chunk_names) for n in names]
         if len(values) and not np.array_equal(np.fromiter(map(len, values), np.int64, len(values)), self.blocks):
             raise ValueError("a chunk has another number of block checksums than its size gives")
         crcs = np.fromiter(itertools.chain.from_iterable(values), dtype="<u4", count=int(self.blocks.sum()))
-        at = [locations[p][n] for p, names, on in zip(self.arrays, self.names, self.located) if on for n in names]
+        at = [locations[p][n] for p, names, on in zip(self.arrays, chunk_names, self.located) if on for n in names]
         offsets = np.fromiter((o for _, o in at), dtype=np.int64, count=len(at))
         packs = np.fromiter((pack_index[k] for k, _ in at), dtype=np.int64, count=len(at))
         where = np.stack([packs, offsets & 0xFFFFFFFF, offsets >> 32], axis=1).astype("<u4").reshape(-1)
@@ -165,6 +171,10 @@ class LayoutJSON:
         if version < SAFETENSORS_VERSION:
             dumped.pop("safetensors", None)
         return assemble(dumped), table
+
+
+def _n_chunks(counts: Tuple[int, ...]) -> int:
+    return 0 if 0 in counts else int(np.prod(counts, dtype=np.int64))
 
 
 def _strings(tensors) -> List[str]:
