@@ -51,8 +51,10 @@ pack_manifest = getattr(planner, "pack_manifest", None)
 DATA_DIR = "data-bench"
 
 
-def shapes(tensors: int):
-    return [((4096 + 8 * t % 4096), 1024 if t % 3 else 4096) for t in range(tensors)]
+def shapes(tensors: int, scale: int = 1):
+    """The simulated tensors (scale: every dim divided by it, for real runs of the same layout:
+    tests/dist/test_metadata_ranks.py)."""
+    return [((4096 + 8 * t % 4096) // scale, (1024 if t % 3 else 4096) // scale) for t in range(tensors)]
 
 
 def split(n: int, parts: int, i: int):
@@ -62,9 +64,9 @@ def split(n: int, parts: int, i: int):
     return lo, min(n, lo + step) - lo
 
 
-def rank_manifest(world: int, tensors: int, layout: str, rank: int):
+def rank_manifest(world: int, tensors: int, layout: str, rank: int, scale: int = 1):
     out = []
-    for t, shape in enumerate(shapes(tensors)):
+    for t, shape in enumerate(shapes(tensors, scale)):
         key = f"layers.{t}.w"
         if layout == "replicated":
             out.append(TensorManifest(key, "bfloat16", shape, "replicated", (((0, 0), shape),)))

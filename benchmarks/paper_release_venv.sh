@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# A venv holding the ByteCheckpoint paper authors' own release (PyPI bytecheckpoint==0.0.2), the peer of
+# benchmarks/bench_paper_release.py. Its import name is also `bytecheckpoint`, so it cannot share a venv
+# with ours.
+#
+#   bash benchmarks/paper_release_venv.sh [VENV_DIR]      # default /work/paper_release_venv
+#
+# torch is always pinned to the CPU build our venv uses (2.13.0, a wheel on this disk): an unpinned
+# `torch` would make pip resolve a multi-GB CUDA build. The release pins torch<=2.5, hence --no-deps
+# for it and its needs listed by hand (those its modules import).
+set -euo pipefail
+
+VENV="${1:-/work/paper_release_venv}"
+TORCH="torch==2.13.0"
+
+python3 -m venv "$VENV"
+PIP=("$VENV/bin/python" -m pip install --quiet)
+"${PIP[@]}" "$TORCH"
+"${PIP[@]}" --no-deps "bytecheckpoint==0.0.2"
+# --no-deps: none of these may pull torch; their own light deps are listed alongside.
+"${PIP[@]}" --no-deps numpy mmh3 universal-pathlib fsspec cachetools safetensors grpcio "protobuf==3.20.*" \
+    typing_extensions
+"$VENV/bin/python" -c "import bytecheckpoint, torch; print('release', bytecheckpoint.__file__, 'torch', torch.__version__)"
