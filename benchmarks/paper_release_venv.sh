@@ -17,7 +17,9 @@ python3 -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip install --quiet)
 "${PIP[@]}" "$TORCH"
 "${PIP[@]}" --no-deps "bytecheckpoint==0.0.2"
-# --no-deps: none of these may pull torch; their own light deps are listed alongside.
-"${PIP[@]}" --no-deps numpy mmh3 universal-pathlib fsspec cachetools safetensors grpcio "protobuf==3.20.*" \
+# Its declared needs, within its own pins (grpcio and protobuf exactly: its generated gRPC stubs), with
+# --no-deps so none of them may pull torch; fsspec and typing_extensions are what these need in turn.
+"${PIP[@]}" --no-deps numpy "mmh3>=4.1.0,<=4.2.0" "universal-pathlib>=0.2.2,<=1.0.0" fsspec \
+    "cachetools>=5.4.0,<=10.0.0" "safetensors>=0.4.5,<=1.0.0" "grpcio==1.69.0" "protobuf==3.20.3" \
     typing_extensions
-"$VENV/bin/python" -c "import bytecheckpoint, torch; print('release', bytecheckpoint.__file__, 'torch', torch.__version__)"
+"$VENV/bin/python" -c "import bytecheckpoint as b, torch; print(b.__version__, b.__file__, torch.__version__)"
