@@ -5,15 +5,16 @@ against DCP and torch.save + fsync, same run.
     python benchmarks/bench_steady.py [--quick] [--blocks 24] [--saves 8] [--rounds 2] [--peers a,b]
                                       [--dir D] [--json out.json]
 
-Why a loop: the write path of a sync save is chosen by measurement (core/storage/write_paths.py:
-buffered into the page cache + fdatasync, or O_DIRECT), and one save into an empty disk is not
-what a run sees. In a steady loop with old checkpoints kept, buffered writes were measured to slow
-to 650-700 MB/s while O_DIRECT held its rate. So each peer runs, in its own fresh process (the
-write-path measurements and the page-cache state of one peer must not leak into another's):
+Why a loop: one save into an empty disk is not what a run sees. In a steady loop with old
+checkpoints kept, buffered writes (page cache + fdatasync) swing with the writeback of the saves
+before them, O_DIRECT ones do not; this benchmark chose bytecheckpoint's default (direct_io="auto":
+O_DIRECT where the file system takes it, core/storage/posix.py). Each peer runs in its own fresh
+process (the page-cache state of one peer must not leak into another's):
   save loop   --saves times: 2 real training steps (forward, backward, AdamW), then a sync save (timed:
               it returns when durable) into a new step_<k> directory, then keep_last=2 retention
               (older checkpoints deleted; the last two stay on disk, as in a run). Steady state =
-              the median of the saves after the first 2.
+              the saves after the first 2: their mean (what the loop loses per save, the figure
+              compared) and their median.
   resume      a new process (a resume is one): a fresh model and AdamW built untimed, then the load
               from the peer's last checkpoint timed, as bench_real_model.py loads. cold: page cache
               dropped (sync; echo 1 > /proc/sys/vm/drop_caches, root only) before the process starts;
@@ -126,19 +127,12 @@ def save_loop(job: Dict[str, Any]) -> Dict[str, Any]:
     model, optim = model_and_optim(job["blocks"])
     save, close = make_saver(peer, model, optim)
     os.makedirs(root, exist_ok=True)
-    paths = None
-    if peer in BCP_DIRECT_IO:  # this process's measurements of its file system (write_paths.py)
-        from bytecheckpoint.storage import write_paths
-        paths = write_paths.for_root(root)
     times: List[float] = []
     files: List[int] = []
-    auto_ways: List[str] = []  # the way bcp-auto's measurements chose for each save's big files
     for k in range(1, job["saves"] + 1):
         for _ in range(TRAIN_STEPS):
             train_step(model, optim)
         path = os.path.join(root, f"step_{k}")
-        if peer == "bcp-auto":
-            auto_ways.append("direct" if paths.direct_for_sync() else "buffered")
         t0 = time.perf_counter()
         save(path)
         times.append(time.perf_counter() - t0)
@@ -147,10 +141,8 @@ def save_loop(job: Dict[str, Any]) -> Dict[str, Any]:
             shutil.rmtree(os.path.join(root, f"step_{k - KEEP_LAST}"))
     close()
     tensors = list(state_tensors(model, optim))
-    return {"times": times, "files": files, "auto_ways": auto_ways, "last": path,
-            "checksum": checksum(model, optim), "tensors": len(tensors),
-            "bytes": sum(t.numel() * t.element_size() for _, t in tensors),
-            "write_rates_mb_s": paths.rates() if paths else None}
+    return {"times": times, "files": files, "last": path, "checksum": checksum(model, optim),
+            "tensors": len(tensors), "bytes": sum(t.numel() * t.element_size() for _, t in tensors)}
 
 
 def resume(job: Dict[str, Any]) -> Dict[str, Any]:
@@ -201,8 +193,7 @@ def one_round(root: str, peers: List[str], args, r: int, cold: bool) -> Dict[str
         d = os.path.join(root, peer.replace("+", "_"))
         shutil.rmtree(d, ignore_errors=True)
         res[peer] = run_worker({"kind": "save", "peer": peer, "dir": d, "blocks": args.blocks, "saves": args.saves})
-        ways = f"  auto chose {res[peer]['auto_ways']}" if res[peer]["auto_ways"] else ""
-        print(f"round {r + 1} {peer:17s} saves {[round(t, 3) for t in res[peer]['times']]} s{ways}", flush=True)
+        print(f"round {r + 1} {peer:17s} saves {[round(t, 3) for t in res[peer]['times']]} s", flush=True)
     for peer in order:
         job = {"kind": "resume", "peer": peer, "path": res[peer]["last"], "blocks": args.blocks,
                "checksum": res[peer]["checksum"]}
@@ -225,8 +216,10 @@ def summarize(rounds: List[Dict[str, Dict[str, Any]]], peers: List[str]) -> Dict
     out = {}
     for peer in peers:
         runs = [r[peer] for r in rounds]
-        save_s = median([median(x["times"][WARMUP_SAVES:] or x["times"]) for x in runs])
-        out[peer] = {"save_s": save_s, "mb_s": runs[0]["bytes"] / 1e6 / save_s,
+        steady = [x["times"][WARMUP_SAVES:] or x["times"] for x in runs]
+        save_s = median([statistics.mean(t) for t in steady])  # what the loop loses per save
+        out[peer] = {"save_s": save_s, "save_median_s": median([median(t) for t in steady]),
+                     "save_max_s": max(max(t) for t in steady), "mb_s": runs[0]["bytes"] / 1e6 / save_s,
                      "files": median([median(x["files"]) for x in runs]),
                      "cold_s": median([x.get("cold", float("nan")) for x in runs]),
                      "warm_s": median([x["warm"] for x in runs])}
@@ -234,11 +227,12 @@ def summarize(rounds: List[Dict[str, Dict[str, Any]]], peers: List[str]) -> Dict
 
 
 def print_table(summary: Dict[str, Dict[str, float]]) -> None:
-    print("\n| peer | steady save median (s) | MB/s | objects per save | resume cold (s) | resume warm (s) |")
-    print("|---|---|---|---|---|---|")
+    print("\n| peer | steady save, mean (s) | median | slowest | MB/s (mean) | objects per save | resume cold (s) "
+          "| resume warm (s) |")
+    print("|---|---|---|---|---|---|---|---|")
     for peer, s in summary.items():
-        print(f"| {peer} | {s['save_s']:.3f} | {s['mb_s']:.0f} | {s['files']:.0f} | {s['cold_s']:.3f} | "
-              f"{s['warm_s']:.3f} |")
+        print(f"| {peer} | {s['save_s']:.3f} | {s['save_median_s']:.3f} | {s['save_max_s']:.3f} | {s['mb_s']:.0f} | "
+              f"{s['files']:.0f} | {s['cold_s']:.3f} | {s['warm_s']:.3f} |")
     print(flush=True)
 
 
@@ -290,9 +284,6 @@ def main() -> None:
         print(f"state: {args.blocks} blocks, {first['tensors']} tensors, {first['bytes'] / 2 ** 20:.0f} MiB; "
               f"{args.saves} saves per loop (steady: after the first {WARMUP_SAVES}), {args.rounds} round(s), "
               f"dir {root}", flush=True)
-        for peer in (x for x in peers if x in BCP_DIRECT_IO):
-            rates = [{k: v and round(v) for k, v in r[peer]["write_rates_mb_s"].items()} for r in rounds]
-            print(f"write-path rates MB/s after the loop, {peer}: {rates}", flush=True)
         summary = summarize(rounds, peers)
         print_table(summary)
         rows = figure_rows(summary, args.blocks, cold)

@@ -14,14 +14,6 @@ os.environ["BCP_LAYOUT_CHECK"] = "1"  # the ranks the tests start check too (lau
 
 
 @pytest.fixture(autouse=True)
-def _fresh_write_measurements(monkeypatch):
-    """Each test starts with no measured write ways (storage/write_paths.py): a sync save of one
-    test does not go O_DIRECT because of another test's writes."""
-    from bytecheckpoint.storage import write_paths
-    monkeypatch.setattr(write_paths, "_by_device", {})
-
-
-@pytest.fixture(autouse=True)
 def _fresh_accelerate_state():
     """Accelerate keeps process-wide singletons (AcceleratorState, GradientState); a test that ran
     a Trainer or prepared dataloaders leaves weakrefs there that make a later Accelerator

@@ -64,10 +64,9 @@ class Options:
     # the optimizers in the state are copied in the background and each optimizer's next step() waits
     # for its own (docs/async_staging.md): "auto" (for CUDA tensors), True (CPU tensors too), False.
     async_staging: Union[str, bool] = "auto"
-    # Pack files on local file systems written with O_DIRECT (no page-cache copy, same bytes):
-    # "auto" (an async save's, where the file system takes it, else buffered; a sync save's the way
-    # measured faster there, counting the read-back of a load that follows: storage/write_paths.py),
-    # True (every save's; an error where refused), False.
+    # Pack files on local file systems written with O_DIRECT (no page-cache copy, same bytes; chosen
+    # from a steady loop of saves and cold resumes: storage/posix.py): "auto" (where the file system
+    # takes it, else buffered), True (an error where refused), False (buffered).
     direct_io: Union[str, bool] = "auto"
 
     def __post_init__(self) -> None:

@@ -48,10 +48,9 @@ def source_of(entry: TensorEntry, w: WriteItem) -> Optional[torch.Tensor]:
 
 
 def write_local(store: Storage, workers: Workers, data_dir: str, local: LocalPlan, data: Sequence[torch.Tensor],
-                objects_blob: bytes, rank: int, rec: Recorder = OFF, background: bool = False) -> commit.WriteResult:
+                objects_blob: bytes, rank: int, rec: Recorder = OFF) -> commit.WriteResult:
     """Write this rank's boxes (format 5: into its pack files, storage/packs.py) and plain values;
-    returns the object file entry, the block crc32s and the pack location of every chunk it wrote.
-    `background`: an async save's job (local packs bypass the page cache: PosixStorage)."""
+    returns the object file entry, the block crc32s and the pack location of every chunk it wrote."""
     arrays = {p: commit.rooted(a, data_dir) for p, a in local.arrays.items()}
     with rec.span("write.encode", count=len(data)):
         encoded = [(w.array, index, payload) for w, t in zip(local.writes, data)
@@ -61,7 +60,7 @@ def write_local(store: Storage, workers: Workers, data_dir: str, local: LocalPla
     store.prepare([obj_path])
     sums, where = packs.write(store, workers, data_dir, rank, items, chunks.block_checksums,
                               chunks.BLOCK_BYTES, rec if rec.enabled else None,
-                              packs.st_arrays(local) if local.safetensors else None, background)
+                              packs.st_arrays(local) if local.safetensors else None)
     tables = _tables(local, encoded, sums, where)
     with rec.span("write.objects", len(objects_blob), 1):
         store.put(obj_path, objects_blob)
@@ -121,13 +120,13 @@ class Job:
                                   self.structure, self.overwrite, self.old_data, results, self.info,
                                   self.before_commit)
 
-    def _write(self, workers: Workers, data: Sequence[torch.Tensor], background: bool
+    def _write(self, workers: Workers, data: Sequence[torch.Tensor]
                ) -> Tuple[commit.RankResult, Optional[Exception]]:
         try:
             with self.rec.span("write", sum(t.numel() * t.element_size() for t in data) if self.rec.enabled else 0,
                                len(data)):
                 return (write_local(self.store, workers, self.data_dir, self.local, data, self.objects_blob,
-                                    self.comm.rank, self.rec, background), None), None
+                                    self.comm.rank, self.rec), None), None
         except Exception as exc:  # noqa: BLE001 - reported to the coordinator, raised on every rank
             return (None, f"{type(exc).__name__}: {exc}"), exc
 
@@ -141,7 +140,7 @@ class Job:
         """On the caller's thread: write, then commit through a gather + broadcast."""
         error: Optional[BaseException] = None
         try:
-            result, error = self._write(workers, data, False)
+            result, error = self._write(workers, data)
             if self.comm.world_size == 1 and error is not None:
                 raise error
             commit.collect_by_collective(self.comm, result, self._decide, self.rec)
@@ -168,7 +167,7 @@ class Job:
             self._record(error)
 
     def _commit_background(self, workers: Workers, data: Sequence[torch.Tensor], board: commit.MarkerBoard) -> None:
-        result, error = self._write(workers, data, True)
+        result, error = self._write(workers, data)
         if self.comm.world_size == 1:
             if error is not None:
                 raise error

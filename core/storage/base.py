@@ -51,10 +51,9 @@ class Storage(abc.ABC):
     def write(self, key: str, data: memoryview) -> Request:
         """Start writing `data` (bytes-like, kept alive by the caller until result()) to `key`."""
 
-    def write_parts(self, key: str, parts: Sequence[memoryview], background: bool = False) -> Request:
+    def write_parts(self, key: str, parts: Sequence[memoryview]) -> Request:
         """Start writing the concatenation of `parts` as one object (a pack file: format 5). This
-        default joins them (one copy); local files write them in place (PosixStorage).
-        `background`: an async save's job writes it, beside training (PosixStorage: O_DIRECT)."""
+        default joins them (one copy); local files write them in place (PosixStorage)."""
         return self.write(key, memoryview(b"".join(parts)))
 
     @abc.abstractmethod

@@ -175,8 +175,8 @@ class FaultyStorage(Storage):
     def write(self, key: str, data: memoryview) -> Request:
         return self._bulk("write", key, lambda: self._inner.write(key, data))
 
-    def write_parts(self, key: str, parts, background: bool = False) -> Request:
-        return self._bulk("write", key, lambda: self._inner.write_parts(key, parts, background))
+    def write_parts(self, key: str, parts) -> Request:
+        return self._bulk("write", key, lambda: self._inner.write_parts(key, parts))
 
     def read(self, key: str) -> Request:
         return self._bulk("read", key, lambda: self._inner.read(key))

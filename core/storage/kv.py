@@ -71,7 +71,7 @@ class KvStorage(Storage):
     def write(self, key: str, data: memoryview) -> Request:
         return _Pending(self, self.kv.write(key, bytes(data)), key, "writing")
 
-    def write_parts(self, key: str, parts: Sequence[memoryview], background: bool = False) -> Request:
+    def write_parts(self, key: str, parts: Sequence[memoryview]) -> Request:
         return _Pending(self, self.kv.write(key, b"".join(parts)), key, "writing")
 
     def read(self, key: str) -> Request:

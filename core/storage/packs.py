@@ -61,12 +61,11 @@ Item = Tuple[str, str, np.ndarray]  # (array path, chunk name, payload)
 
 
 def write(storage, workers, data_dir: str, rank: int, items: Sequence[Item], block_checksums, block_bytes: int,
-          rec=None, safetensors: Optional[Mapping[str, STArray]] = None, background: bool = False
+          rec=None, safetensors: Optional[Mapping[str, STArray]] = None
           ) -> Tuple[List[Tuple[int, ...]], List[Optional[Tuple[str, int]]]]:
     """Write `items` into this rank's packs; returns each item's block crc32s and (pack key, offset)
     (None for an item not written: a second copy of a chunk in a safetensors pack). `rec` (a monitor Recorder) gets a "write.pack" span
-    per pack. `safetensors` (st_arrays): arrays whose chunks go into safetensors packs (format 6).
-    `background`: written by an async save's job (Storage.write_parts)."""
+    per pack. `safetensors` (st_arrays): arrays whose chunks go into safetensors packs (format 6)."""
     views = [memoryview(np.ascontiguousarray(p)).cast("B") for _, _, p in items]
     heads, groups, dropped = st_layout(items, views, safetensors or {})
     in_st = {i for g in groups for i in g} | dropped
@@ -99,7 +98,7 @@ def write(storage, workers, data_dir: str, rank: int, items: Sequence[Item], blo
             parts.append(views[i])
             pos = where[i][1] + len(views[i])
         try:
-            storage.write_parts(keys[k], parts, background).result()
+            storage.write_parts(keys[k], parts).result()
         except CheckpointError:  # storage errors name the object and the store already (and keep their type)
             raise
         except Exception as exc:  # noqa: BLE001 - name the file and what it holds

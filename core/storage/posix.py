@@ -13,13 +13,14 @@ commit) then fsyncs what is left: small files and new directories, or, when ther
 them, flushes the whole file system once (syncfs). Measured against one syncfs at the end, which
 also waits for every other process's dirty data on that file system: docs/results.md.
 
-Files of DATASYNC_BYTES or more that an async save's job writes are written with O_DIRECT (direct_io
-"auto", the default; True: every save's): no copy into the page cache, no dirty pages for the kernel
-to flush on the training's cores (docs/async_staging.md: 2.6 CPU-s/GiB buffered vs ~0.2 here). A
-sync save blocks training anyway: its files go the way measured faster on this file system, write
-plus read-back (storage/write_paths.py): buffered, in the page cache for a load that follows
-(measured: a resume right after a save reads 3-4x slower after O_DIRECT writes), unless O_DIRECT's
-write and first read measured less than the buffered write there. Requests are whole 4 KiB pages
+Files of DATASYNC_BYTES or more are written with O_DIRECT (direct_io "auto", the default, or True):
+no copy into the page cache, no dirty pages for the kernel to flush on the training's cores
+(docs/async_staging.md: 2.6 CPU-s/GiB buffered vs ~0.2 here), and no save slowed by the writeback of
+the ones before it. In a steady loop of sync saves with old checkpoints kept (benchmarks/bench_steady.py)
+buffered saves swung 0.2-0.8 s for the same 405 MiB (mean 0.34 s), O_DIRECT ones 0.19-0.28 s (mean
+0.23 s); a resume is a new process reading from the device either way (cold, 0.47-0.59 s both). What
+O_DIRECT gives up: a load in the same process right after a save reads from the device, not the page
+cache (docs/results.md). direct_io=False writes buffered. Requests are whole 4 KiB pages
 from page-aligned memory: page-aligned parts go straight from their buffer, the rest through a
 small aligned bounce buffer; the last page is padded and the file cut to its size, so the bytes are
 exactly the buffered path's. A file system that refuses O_DIRECT (tmpfs, some FUSE) is remembered
@@ -32,14 +33,12 @@ import logging
 import os
 import shutil
 import threading
-import time
 import uuid
 from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
 from ..common.errors import CheckpointError, CorruptCheckpointError
-from . import write_paths
 from .direct_writer import _REFUSED, BOUNCE_BYTES, PAGE, _DirectWriter, _Refused  # noqa: F401 - PAGE, BOUNCE_BYTES: tests
 from .base import Done, Request, Storage, Version, check_key_inside
 from .errors import classify_os_error
@@ -89,7 +88,6 @@ class PosixStorage(Storage):
         self._made_dirs: set = set()
         self._dirs_lock = threading.Lock()
         self._unsynced: set = set()  # small files and new directories written since the last sync()
-        self.paths = write_paths.for_root(root)  # measured buffered vs O_DIRECT writes of its file system
 
     def _path(self, key: str) -> str:
         return os.path.join(self.root, *key.split("/"))
@@ -135,20 +133,17 @@ class PosixStorage(Storage):
     def write(self, key: str, data: memoryview) -> Request:
         return self.write_parts(key, [data])
 
-    def write_parts(self, key: str, parts: Sequence[memoryview], background: bool = False) -> Request:
-        """The parts written in place, back to back, with writev (no join), or with O_DIRECT when
-        they are DATASYNC_BYTES or more and `background` (an async save's) or direct_io is True (see
-        the module docstring); such a file is fdatasync'ed now, a smaller one by sync()."""
+    def write_parts(self, key: str, parts: Sequence[memoryview]) -> Request:
+        """The parts written in place, back to back: with O_DIRECT when they are DATASYNC_BYTES or more
+        (and direct_io allows: see the module docstring), else with writev (no join); such a file is
+        fdatasync'ed now, a smaller one by sync()."""
         path = self._path(key)
         views = [v for v in (memoryview(p).cast("B") for p in parts) if len(v)]  # bytes, whatever the format
         nbytes = sum(len(v) for v in views)
-        t0 = time.perf_counter()
-        if nbytes >= DATASYNC_BYTES and self._direct_ok is not False and (
-                background or self.direct_io is True or (self.direct_io == "auto" and self.paths.direct_for_sync())):
+        if nbytes >= DATASYNC_BYTES and self._direct_ok is not False:
             try:
                 self._write_direct(path, views)
                 self._direct_ok = True
-                self.paths.record(True, nbytes, time.perf_counter() - t0, path)
                 return Done()
             except _Refused as exc:
                 if self.direct_io is True:
@@ -169,7 +164,6 @@ class PosixStorage(Storage):
                     _consume(bufs, n)
                 if total >= DATASYNC_BYTES:
                     os.fdatasync(fd)
-                    self.paths.record(False, total, time.perf_counter() - t0)
                     return Done()
         except OSError as exc:
             return Done(error=exc)
@@ -240,7 +234,6 @@ class PosixStorage(Storage):
     def read_range_into(self, key: str, start: int, dests: Sequence[memoryview]) -> Request:
         def run() -> Optional[int]:
             want, path = sum(len(d) for d in dests), self._path(key)
-            cold, t0 = self.paths.is_cold(path), time.perf_counter()  # a first read of an O_DIRECT file
             try:
                 fd = os.open(path, os.O_RDONLY)
             except FileNotFoundError:
@@ -257,8 +250,6 @@ class PosixStorage(Storage):
                 os.close(fd)
             if got != want:
                 raise CorruptCheckpointError(f"{self.where(key)} is shorter than expected; the checkpoint is damaged")
-            if cold:
-                self.paths.read_back(path, got, time.perf_counter() - t0)
             return got
         return _LazyRead(run)
 

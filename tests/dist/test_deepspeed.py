@@ -23,7 +23,7 @@ def _save(tmp_path, stage, world=2, bf16=False, with_ds=False):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [pytest.param(2, marks=pytest.mark.slow), 3])  # ZeRO-2: the next tests too
 def test_same_world_resume_matches_deepspeeds_own(tmp_path, stage):
     path, oracle, ds_dir = _save(tmp_path, stage, with_ds=True)
     outs = run_ranks("scenarios_deepspeed:load", 2, {"path": path, "stage": stage, "oracle": oracle,
@@ -51,6 +51,7 @@ def test_zero3_saved_on_2_resumes_as_zero1_on_1_and_reads_without_deepspeed(tmp_
     assert "PLAIN OK" in outs[0]
 
 
+@pytest.mark.slow  # bf16 ZeRO-2 in make test: test_deepspeed_stock's zero2-bf16 engine
 @pytest.mark.timeout(600)
 def test_bf16_zero2_resumes_on_3(tmp_path):
     path, oracle, _ = _save(tmp_path, 2, bf16=True)

@@ -391,7 +391,7 @@ def test_diffusers_pattern_hooks_decide_what_bytecheckpoint_saves(patterns: Path
     assert default & {"model.safetensors", "pytorch_model.bin"}, default  # .bin before accelerate 0.25
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [pytest.param(2, marks=pytest.mark.slow), 3])  # ZeRO-2: the stock-folder test
 def test_deepspeed_save_state_on_every_process_resumes_on_1_and_3(tmp_path: Path, stage: int, monkeypatch) -> None:
     """DeepSpeedPlugin(zero_stage=2 or 3) on 2 CPU processes: save_state on every process writes the
     engines' own partitions (no DeepSpeed files); load_state on 1 and on 3 processes restores fp32

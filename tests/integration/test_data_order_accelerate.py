@@ -64,7 +64,8 @@ def _check_resumes(tmp_path, *flags):
     return ref
 
 
-@pytest.mark.parametrize("seedable", [False, True], ids=["random_sampler", "seedable_sampler"])
+@pytest.mark.parametrize("seedable", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["random_sampler", "seedable_sampler"])
 def test_skip_first_batches_resumes_step_for_step(tmp_path, seedable):
     ref = _check_resumes(tmp_path, *(["--seedable"] if seedable else []))
     assert ref == _stock_steps(seedable), "2 processes: stock Accelerate's batches"

@@ -148,7 +148,7 @@ from test_lightning_ddp import RUN_TIMEOUT_S, run_ddp  # noqa: E402
 pytestmark = pytest.mark.timeout(3 * RUN_TIMEOUT_S + 60)
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [pytest.param(2, marks=pytest.mark.slow), 3])
 def test_deepspeed_strategy_saves_every_rank_and_resumes_on_one_process(tmp_path, stage):
     import bytecheckpoint as bcp
 
@@ -174,7 +174,8 @@ def test_deepspeed_strategy_saves_every_rank_and_resumes_on_one_process(tmp_path
         assert "LOAD_FROM_CHECKPOINT_OK" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
 
 
-@pytest.mark.parametrize("plain", [False, True], ids=["deepspeed-1-process", "plain-device"])
+@pytest.mark.parametrize("plain", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["deepspeed-1-process", "plain-device"])
 def test_stock_deepspeed_directory_resumes_through_the_plugin_on_another_layout(tmp_path, plain):
     """Stock DeepSpeedStrategy (ZeRO-2, 2 processes, no plugin) writes DeepSpeed's own directories;
     ByteCheckpointIO resumes them on 1 process under DeepSpeed (DeepSpeed's own loader needs the

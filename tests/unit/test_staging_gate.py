@@ -577,7 +577,7 @@ def test_direct_writes_are_byte_identical_to_buffered(tmp_path):
     direct = PosixStorage("d", str(tmp_path / "d") + "/", direct_io="auto")
     buffered = PosixStorage("b", str(tmp_path / "b") + "/", direct_io=False)
     for store in (direct, buffered):
-        store.write_parts("x/pack.bin", [memoryview(p.numpy()) for p in parts], background=True).result()
+        store.write_parts("x/pack.bin", [memoryview(p.numpy()) for p in parts]).result()
     want = b"".join(p.numpy().tobytes() for p in parts)
     for store in (direct, buffered):
         with open(store._path("x/pack.bin"), "rb") as f:
@@ -612,20 +612,27 @@ def test_checkpoint_files_are_the_same_with_and_without_direct_io(tmp_path, monk
     assert any(n.endswith(".safetensors") for n in packs["True"]) and sum(len(b) for b, _ in packs["True"].values()) > (4 << 20)
 
 
-def test_auto_bypasses_the_page_cache_for_async_saves_only(tmp_path, monkeypatch):
-    """direct_io="auto": an async save's packs are written with O_DIRECT (its background write competes
-    with training for the CPU); a sync save's stay in the page cache, for a load that follows (a resume
-    right after a save read 3-4x slower from disk: benchmarks/bench_real_model.py), until measurements
-    say O_DIRECT is the faster sum there (tests/unit/test_write_paths.py)."""
+def test_auto_bypasses_the_page_cache_for_sync_and_async_saves(tmp_path, monkeypatch):
+    """direct_io="auto": every save's big packs are written with O_DIRECT (an async save's background
+    write competes with training for the CPU; a sync save in a steady loop was slowed by the writeback
+    of the ones before it: benchmarks/bench_steady.py); direct_io=False writes them buffered."""
     if not _takes_o_direct(tmp_path):
         pytest.skip("this file system refuses O_DIRECT")
     direct = direct_writes(monkeypatch)
     state = {"big": torch.randn(700, 1000)}
     with bcp.Checkpointer() as c:
         c.save(tmp_path / "sync", state)
-        assert direct == []
-        c.save(tmp_path / "async", state, async_save=True).wait()
         assert len(direct) >= 1
+        c.save(tmp_path / "async", state, async_save=True).wait()
+        assert len(direct) >= 2
+        out = {"big": torch.zeros(700, 1000)}
+        c.load(tmp_path / "sync", out)  # read back from the device, not the page cache
+        assert torch.equal(out["big"], state["big"])
+    before = len(direct)
+    with bcp.Checkpointer(direct_io=False) as c:
+        c.save(tmp_path / "buffered", state)
+        c.save(tmp_path / "buffered_async", state, async_save=True).wait()
+    assert len(direct) == before
 
 
 @pytest.mark.parametrize("where", ["open", "first write"])
@@ -648,8 +655,8 @@ def test_a_file_system_that_refuses_o_direct(tmp_path, monkeypatch, where):
         monkeypatch.setattr(posix.os, "pwrite", refusing_pwrite)  # only the O_DIRECT path uses pwrite
     part = memoryview(bytes(range(256)) * 8192)
     auto = posix.PosixStorage("auto", str(tmp_path / "a") + "/", direct_io="auto")
-    auto.write_parts("p.bin", [part], background=True).result()
-    auto.write_parts("q.bin", [part], background=True).result()
+    auto.write_parts("p.bin", [part]).result()
+    auto.write_parts("q.bin", [part]).result()
     assert auto._direct_ok is False
     assert (tmp_path / "a" / "p.bin").read_bytes() == bytes(part) == (tmp_path / "a" / "q.bin").read_bytes()
     strict = posix.PosixStorage("strict", str(tmp_path / "s") + "/", direct_io=True)
