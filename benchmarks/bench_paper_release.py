@@ -140,6 +140,7 @@ def one_repeat(python: str, library: str, root: str, size: Dict[str, int]) -> Di
 # ---------------------------------------------------------------------------------------- report
 ROWS = [  # (key in a job's result, row name, target)
     ("sync_save", "FSDP2 2 ranks: sync save (durable)", TARGET),
+    ("sync_save_model", "FSDP2 2 ranks: sync save of the model alone (durable)", TARGET),
     ("load_2to2", "FSDP2 2 -> 2 load (fresh model + AdamW)", TARGET),
     ("load_2to1", "FSDP2 2 -> 1 load (resharded)", TARGET),
     ("async_block", "FSDP2 2 ranks: async save, blocking time", TARGET),

@@ -46,6 +46,9 @@ class Ours:
     def save(self, path, model, optim) -> None:
         self.ckpt.save(path, {"model": model, "optimizer": optim})
 
+    def save_model(self, path, model) -> None:
+        self.ckpt.save(path, {"model": model})
+
     def async_save(self, path, model, optim) -> Callable[[], None]:
         """Returns once the state is copied out; the returned wait() returns once it is committed."""
         return self.ckpt.save(path, {"model": model, "optimizer": optim}, async_save=True).wait
@@ -107,6 +110,11 @@ class Release:
 
     def save(self, path, model, optim) -> None:
         self._save(path, model, optim, fast_saving=False)
+
+    def save_model(self, path, model) -> None:
+        self.step += 1
+        self.bcp.save(path, {"model": model}, framework="fsdp2", fast_saving=False, global_steps=self.step,
+                      ignore_append_global_steps_to_folder=True)
 
     def async_save(self, path, model, optim) -> Callable[[], None]:
         self._save(path, model, optim, fast_saving=True)
@@ -190,6 +198,12 @@ def save_job(lib, args) -> Dict[str, object]:
 
     sync_path = os.path.join(args.dir, "sync")
     out["sync_save"] = timed(lambda: lib.save(sync_path, model, optim))
+
+    # The model alone (~100 MB over both ranks), a first untimed save of that state too.
+    for name in ("warm_model", "model_only"):
+        t = timed(lambda: lib.save_model(os.path.join(args.dir, name), model))
+        remove_on_rank0(os.path.join(args.dir, name))
+    out["sync_save_model"] = t
 
     nbytes = local_state_bytes(model, optim)
     floor_file = os.path.join(args.dir, f"floor_rank{rank()}.bin")
