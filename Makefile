@@ -50,11 +50,18 @@ $(BENCH): $(STAMP)
 	$(PY) -m pip install -q $(TORCH) -e '.[dev,bench]'
 	touch $(BENCH)
 
-bench: $(BENCH)
-	$(PY) benchmarks/run_all.py
+# the paper authors' release (PyPI bytecheckpoint==0.0.2, the same import name as ours): a venv of its
+# own, the peer of benchmarks/bench_paper_release.py
+PAPER_VENV ?= .venv-paper-release
+$(PAPER_VENV)/.installed:
+	bash benchmarks/paper_release_venv.sh $(PAPER_VENV)
+	touch $@
+
+bench: $(BENCH) $(PAPER_VENV)/.installed
+	BCP_RELEASE_PYTHON=$(PAPER_VENV)/bin/python $(PY) benchmarks/run_all.py
 
 clean:
-	rm -rf $(VENV) $(COMPAT_VENV) .venv-torch-* build *.egg-info
+	rm -rf $(VENV) $(COMPAT_VENV) $(PAPER_VENV) .venv-torch-* build *.egg-info
 
 # ---- the frameworks' own checkpoint suites, with the plugin injected (not part of `make test`) -----
 # Lightning 2.6.5's and Accelerate 1.15's checkpoint tests from ../shared/framework_suites, each

@@ -58,7 +58,7 @@ from paper_release_worker import FLOOR_TRIES  # noqa: E402
 from release_model import Llama  # noqa: E402
 
 WORKER = os.path.join(HERE, "paper_release_worker.py")
-DEFAULT_RELEASE_PYTHON = "/work/paper_release_venv/bin/python"
+DEFAULT_RELEASE_PYTHON = os.environ.get("BCP_RELEASE_PYTHON", "/work/paper_release_venv/bin/python")  # make bench sets it
 TARGET = "<= 0.8"
 JOB_TIMEOUT_S = 1800
 FULL = {"blocks": 12, "vocab": 32000}
