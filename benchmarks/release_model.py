@@ -1,7 +1,8 @@
 """The model, training state and checks shared by both sides of benchmarks/bench_paper_release.py.
 
-It imports only torch: the paper release's worker runs it in the release's own venv, where
-`import bytecheckpoint` is the release, and must never reach ours.
+It imports only torch (and bench_real_model's model, itself torch only at import): the paper
+release's worker runs it in the release's own venv, where `import bytecheckpoint` is the release,
+and must never reach ours.
 """
 from __future__ import annotations
 
@@ -11,42 +12,9 @@ from typing import Any, Tuple
 import torch
 from torch import nn
 
-DIM, FFN = 256, 688
-
-
-class Block(nn.Module):
-    """A Llama block's tensors: attention-like q/k/v/o, a gated MLP and two norms."""
-
-    def __init__(self, dim: int = DIM, ffn: int = FFN):
-        super().__init__()
-        self.attn_norm, self.ffn_norm = nn.RMSNorm(dim), nn.RMSNorm(dim)
-        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim, bias=False) for _ in range(4))
-        self.gate, self.up = nn.Linear(dim, ffn, bias=False), nn.Linear(dim, ffn, bias=False)
-        self.down = nn.Linear(ffn, dim, bias=False)
-
-    def forward(self, x):
-        h = self.attn_norm(x)
-        x = x + self.o(self.q(h) * torch.sigmoid(self.k(h)) + self.v(h))
-        h = self.ffn_norm(x)
-        return x + self.down(torch.nn.functional.silu(self.gate(h)) * self.up(h))
-
-
-class Llama(nn.Module):
-    """Llama-shaped (as benchmarks/bench_real_model.py): embedding, blocks, norm, head."""
-
-    def __init__(self, blocks: int, vocab: int, dim: int = DIM, ffn: int = FFN):
-        super().__init__()
-        self.vocab = vocab
-        self.embed = nn.Embedding(vocab, dim)
-        self.blocks = nn.ModuleList(Block(dim, ffn) for _ in range(blocks))
-        self.norm = nn.RMSNorm(dim)
-        self.head = nn.Linear(dim, vocab, bias=False)
-
-    def forward(self, ids):
-        x = self.embed(ids)
-        for b in self.blocks:
-            x = b(x)
-        return self.head(self.norm(x))
+# bench_real_model imports only torch and the standard library at the top (bytecheckpoint inside its
+# functions only), so the release's process may take the model from it.
+from bench_real_model import Llama  # noqa: E402
 
 
 def fsdp2_model_and_optim(blocks: int, vocab: int, trained: bool) -> Tuple[nn.Module, torch.optim.Optimizer]:
@@ -58,7 +26,7 @@ def fsdp2_model_and_optim(blocks: int, vocab: int, trained: bool) -> Tuple[nn.Mo
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0 if trained else 1)
-    model = Llama(blocks, vocab)
+    model = Llama(blocks, vocab=vocab)
     for block in model.blocks:
         fully_shard(block)
     fully_shard(model)
