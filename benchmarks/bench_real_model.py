@@ -16,7 +16,11 @@ Cases, each timed as the median of --repeats, interleaved (machine load hits all
   FSDP2       2 gloo ranks, fully_shard per block and at the root; bytecheckpoint vs DCP (max over
               ranks)
   objects     files one save writes, divided by ranks, at --blocks and at 4x as many blocks
-Page cache is not dropped between a save and its load (a resume on the same node does the same).
+Loads are cold: before each one the page cache is dropped (`sync; echo 1 > /proc/sys/vm/drop_caches`,
+root only; else they run warm and say so), as a resume after a failure reads (a new process, often
+another node). Right after a save, a load would find the peers' buffered files in the page cache
+and bytecheckpoint's O_DIRECT packs (storage/posix.py) only on the device: --warm measures that.
+bench_steady.py measures a resume cold and warm, in new processes.
 """
 from __future__ import annotations
 
@@ -111,6 +115,28 @@ def torch_save_fsynced(obj, path: str) -> None:
         os.fsync(f.fileno())
 
 
+def drop_page_cache() -> bool:
+    """A cold read: dirty pages written back, then the clean page cache dropped (root only)."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1")
+        return True
+    except OSError:
+        return False
+
+
+# --warm (BCP_BENCH_WARM_LOADS=1, seen by the spawned ranks too) turns it off; so does a cache we cannot drop
+COLD = {"loads": os.environ.get("BCP_BENCH_WARM_LOADS") != "1"}
+
+
+def cold_start() -> None:
+    """Before a timed load: the page cache dropped (by rank 0 for the machine), every rank after it."""
+    if COLD["loads"] and (not dist.is_initialized() or dist.get_rank() == 0):
+        COLD["loads"] = drop_page_cache()
+    sync_all()
+
+
 def timed(fn: Callable[[], object]) -> float:
     sync_all()
     t0 = time.perf_counter()
@@ -165,11 +191,14 @@ def run_case(root: str, blocks: int, repeats: int, fsdp: bool) -> Dict[str, List
             out["torch_save"].append(timed(lambda: torch_save(tp)))
         # loads as a resume does them: into a fresh model and a fresh optimizer (built untimed)
         m, o = model_and_optim(blocks, fsdp, trained=False)
+        cold_start()
         out["bcp_load"].append(timed(lambda: ckpt.load(bp, {"model": m, "optim": o})))
         m, o = model_and_optim(blocks, fsdp, trained=False)
+        cold_start()
         out["dcp_load"].append(timed(lambda: dcp_load(dp, m, o)))
         if not fsdp:
             m, o = model_and_optim(blocks, fsdp, trained=False)
+            cold_start()
             out["torch_load"].append(timed(lambda: torch_load(tp, m, o)))
         del m, o
         if rank == 0:
@@ -253,7 +282,11 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)  # saves swing with the disk: medians of 5
     p.add_argument("--dir", default=None)
     p.add_argument("--quick", action="store_true", help="8 blocks, 2 repeats")
+    p.add_argument("--warm", action="store_true", help="loads right after the save, page cache kept")
     args = p.parse_args()
+    if args.warm:
+        os.environ["BCP_BENCH_WARM_LOADS"] = "1"
+        COLD["loads"] = False
     if args.quick or os.environ.get("BCP_BENCH_QUICK") == "1":
         args.blocks, args.repeats = 8, 2
     root = tempfile.mkdtemp(prefix="bcp-real-", dir=args.dir)
@@ -285,6 +318,9 @@ def main() -> None:
         print({k: [round(x, 3) for x in v] for k, v in ddp.items()}, flush=True)
 
         b = f"{args.blocks} blocks"
+        loads = "cold" if COLD["loads"] else "warm"
+        print(f"loads: {loads} ({'page cache dropped before each' if COLD['loads'] else 'right after the save'})",
+              flush=True)
         figure(f"real model, 1 process: files per save ({b})", median(one["bcp_files"]), 8, "<= 1",
                unit="files", peer_name="target 8 per rank", note=f"DCP wrote {median(one['dcp_files']):.0f}")
         figure(f"real model, 1 process: files per save ({4 * args.blocks} blocks)", four, 8, "<= 1", unit="files",
@@ -295,16 +331,16 @@ def main() -> None:
                "<= 0.8", peer_name="DCP save (fsync)")
         figure(f"real model, 1 process: save vs torch.save + fsync ({b})", median(one["bcp_save"]),
                median(one["torch_save"]), "<= 1.2", peer_name="torch.save + fsync")
-        figure(f"real model, 1 process: resume (fresh model + AdamW) vs DCP ({b})", median(one["bcp_load"]),
+        figure(f"real model, 1 process: resume {loads} (fresh model + AdamW) vs DCP ({b})", median(one["bcp_load"]),
                median(one["dcp_load"]), "<= 0.5", peer_name="DCP get_state_dict + load + set_state_dict")
-        figure(f"real model, 1 process: resume (fresh model + AdamW) vs torch.load ({b})", median(one["bcp_load"]),
+        figure(f"real model, 1 process: resume {loads} (fresh model + AdamW) vs torch.load ({b})", median(one["bcp_load"]),
                median(one["torch_load"]), "<= 1.5", peer_name="torch.load + load_state_dict")
         figure(f"real model, FSDP2 2 ranks: save vs DCP ({b})", median(two["bcp_save"]), median(two["dcp_save"]),
                "<= 0.6", peer_name="DCP save (fsync)")
         figure(f"real model, DDP 2 ranks: every rank writes its share vs rank 0 alone ({b})", median(ddp["every"]),
                median(ddp["rank0"]), "", peer_name="rank 0 alone (what Fabric/Trainer DDP call)",
                note=f"torch.save + fsync on rank 0: {median(ddp['torch']):.3f} s")
-        figure(f"real model, FSDP2 2 ranks: resume (fresh model + AdamW) vs DCP ({b})", median(two["bcp_load"]),
+        figure(f"real model, FSDP2 2 ranks: resume {loads} (fresh model + AdamW) vs DCP ({b})", median(two["bcp_load"]),
                median(two["dcp_load"]), "<= 0.5", peer_name="DCP get_state_dict + load + set_state_dict")
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -42,7 +42,7 @@ from typing import Any, Callable, Dict, List, Tuple
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_real_model import VOCAB, count_files, model_and_optim, torch_save_fsynced  # noqa: E402
+from bench_real_model import VOCAB, count_files, drop_page_cache, model_and_optim, torch_save_fsynced  # noqa: E402
 from figures import PREFIX, figure  # noqa: E402
 
 PEERS = ("bcp-auto", "bcp-direct", "bcp-buffered", "dcp", "torch.save+fsync")
@@ -165,17 +165,6 @@ def run_worker(job: Dict[str, Any]) -> Dict[str, Any]:
         sys.stderr.write(proc.stdout + proc.stderr)
         raise SystemExit(f"{job['kind']} worker for {job['peer']} failed (exit {proc.returncode})")
     return json.loads(lines[-1][len(RESULT):])
-
-
-def drop_page_cache() -> bool:
-    """A cold read: dirty pages written back, then the clean page cache dropped (root only)."""
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("1")
-        return True
-    except OSError:
-        return False
 
 
 def timed_resume(job: Dict[str, Any], label: str) -> float:
