@@ -16,11 +16,12 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q $(TORCH) -e '.[dev,torchtitan]'
 	touch $(STAMP)
 
-# two pytest workers (pytest-xdist): most tests wait on processes they start, so the 2 cores have room
-# (one worker: 30 min on 2 cores; two: 18 min; TEST_WORKERS=0 runs in this process)
-TEST_WORKERS ?= 2
+# three pytest workers (pytest-xdist) that steal work at the end: most tests wait on processes they
+# start, so the 2 cores have room (one worker: 30 min on 2 cores; two: 16.6 min, cores 80% busy;
+# TEST_WORKERS=0 runs in this process)
+TEST_WORKERS ?= 3
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=20 -n $(TEST_WORKERS) -m "not faults and not slow" tests
+	$(PY) -m pytest -q --durations=20 -n $(TEST_WORKERS) --dist worksteal -m "not faults and not slow" tests
 
 test-faults: $(STAMP)
 	$(PY) -m pytest -q -m faults tests
