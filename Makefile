@@ -27,7 +27,8 @@ test-faults: $(STAMP)
 	$(PY) -m pytest -q -m faults tests
 
 # more layouts of routes `make test` already covers (transformers.Trainer under FSDP1/FSDP2/DeepSpeed,
-# pipeline stages and experts on 4 and 8 processes)
+# pipeline stages and experts on 4 and 8 processes, the 8-process metadata check of bench_planner's
+# layout, the elastic runs of the Accelerate and Lightning scripts, ZeRO-1/2 and bf16 variants)
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow tests
 

@@ -32,9 +32,10 @@ def _load_plain(path, oracle):
     assert "deepspeed -> plain ok" in out.stdout
 
 
-# ZeRO-2's stock folder in make test: test_stock_zero2_folder_resumes_deepspeed_engines_of_other_sizes_and_stages
+# ZeRO-1 and ZeRO-2 folders (the same partitioned form) in make test:
+# test_stock_zero2_folder_resumes_deepspeed_engines_of_other_sizes_and_stages
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("stage", [1, pytest.param(2, marks=pytest.mark.slow), 3])
+@pytest.mark.parametrize("stage", [pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow), 3])
 def test_stock_zero_folder_loads_on_one_plain_process_and_fsdp2(tmp_path, stage):
     ds_dir, oracle = _save(tmp_path, stage)
     _load_plain(ds_dir, oracle)                                   # save_dir: `latest` names the tag

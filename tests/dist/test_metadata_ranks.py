@@ -46,6 +46,7 @@ def simulated(data_dir: str) -> bytes:
     return raw
 
 
+@pytest.mark.slow  # 8 processes on the 2-core machine: ~20 s alone, ~65 s beside make test's other workers
 @pytest.mark.timeout(400)
 def test_eight_ranks_write_the_simulated_layout(tmp_path):
     run_ranks("scenarios_metadata_ranks:save_fsdp", WORLD,
