@@ -101,6 +101,15 @@ def load_metrics(total_s: Optional[float], nbytes: int, prefix: str = PREFIX) ->
     return out
 
 
+def _completion(stats: SaveStats, step: Optional[int]) -> Dict[str, float]:
+    """An async save's metrics once it completed: all but its stall (given at save time), with
+    checkpoint/saved_step when its step is known."""
+    m = {k: v for k, v in stats.metrics().items() if not k.endswith("save_stall_s")}
+    if step is not None:
+        m[PREFIX + "saved_step"] = float(step)
+    return m
+
+
 class MetricsFeed:
     """`checkpoint/...` metrics for a framework logger, handed out on the caller's (training)
     thread only: loggers are not thread-safe. A sync save's metrics come at once; an async save's
@@ -118,12 +127,15 @@ class MetricsFeed:
         stats = getattr(handle, "stats", None)
         if not isinstance(stats, SaveStats):
             return {}
-        if stats.done or not getattr(handle, "is_async", False):
+        if not getattr(handle, "is_async", False):
             return stats.metrics()
+        stall = {k: v for k, v in stats.metrics().items() if k.endswith("save_stall_s")}
+        if stats.done:  # a small async save can complete before this call: its completion goes out now
+            return {**stall, **_completion(stats, step)} if stats.ok else stall
         if stats.recording:
             self._pending.append((stats, step))
             del self._pending[:-MAX_PENDING]
-        return {k: v for k, v in stats.metrics().items() if k.endswith("save_stall_s")}
+        return stall
 
     @staticmethod
     def loaded(stats: Any) -> Dict[str, float]:
@@ -139,10 +151,7 @@ class MetricsFeed:
                 keep.append((stats, step))
                 continue
             if stats.ok:
-                m = {k: v for k, v in stats.metrics().items() if not k.endswith("save_stall_s")}
-                if step is not None:
-                    m[PREFIX + "saved_step"] = float(step)
-                out.append(m)
+                out.append(_completion(stats, step))
         self._pending = keep
         return out
 
