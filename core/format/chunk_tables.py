@@ -21,7 +21,11 @@ from .records import ArrayMeta
 
 def chunk_count(a: ArrayMeta) -> int:
     """Chunks of an array (an empty dim: none; a 0-d array: one)."""
-    counts = grid_counts(a.shape, a.chunks)
+    return grid_size(grid_counts(a.shape, a.chunks))
+
+
+def grid_size(counts: Sequence[int]) -> int:
+    """Chunks of a grid of `counts` chunks per dim (a 0 among them: none; no dims: one)."""
     return 0 if 0 in counts else int(np.prod(counts, dtype=np.int64))
 
 

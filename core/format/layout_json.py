@@ -21,6 +21,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from . import checksums as crc
+from .chunk_tables import grid_size
 from . import metadata
 from .metadata import (
     PACKED_VERSION,
@@ -52,7 +53,7 @@ class LayoutJSON:
                  located: Sequence[bool], to_file: bool):
         self.fixed, self.pieces, self.slots = fixed, pieces, slots
         self.arrays, self.counts, self.located, self.to_file = arrays, counts, located, to_file
-        n_chunks = np.array([_n_chunks(c) for c in counts], dtype=np.int64)
+        n_chunks = np.array([grid_size(c) for c in counts], dtype=np.int64)
         self.blocks = np.repeat(np.asarray(blocks, dtype=np.int64), n_chunks)  # block crc32s of each chunk
         crc_ends = np.cumsum(n_chunks * np.asarray(blocks, dtype=np.int64)).tolist()
         at_ends = np.cumsum(3 * n_chunks * np.asarray(located, dtype=np.int64)).tolist()
@@ -69,7 +70,7 @@ class LayoutJSON:
             return None
         order = list(arrays)
         counts = [crc.grid_counts(arrays[p].shape, arrays[p].chunks) for p in order]
-        sizes = [_n_chunks(c) for c in counts]
+        sizes = [grid_size(c) for c in counts]
         blocks = [blocks_per_chunk(arrays[p].chunks, arrays[p].dtype, block_bytes) for p in order]
         located = [bool(n) for n in sizes]
         table_bytes = 4 * sum(n * (b + (3 if at else 0)) for n, b, at in zip(sizes, blocks, located))
@@ -118,7 +119,7 @@ class LayoutJSON:
     def names(self) -> List[List[str]]:
         """Every array's chunk names, row-major: built on demand (6M strings at 16,384 ranks x 1000
         tensors would be most of a cached layout's memory; render_tables needs none)."""
-        return [crc.chunk_names(c) if _n_chunks(c) else [] for c in self.counts]
+        return [crc.chunk_names(c) if grid_size(c) else [] for c in self.counts]
 
     def render(self, version: int, data_dir: str, sums: Mapping[str, Mapping[str, Sequence[int]]],
                locations: Mapping[str, Mapping[str, Tuple[str, int]]], pack_index: Mapping[str, int],
@@ -171,10 +172,6 @@ class LayoutJSON:
         if version < SAFETENSORS_VERSION:
             dumped.pop("safetensors", None)
         return assemble(dumped), table
-
-
-def _n_chunks(counts: Tuple[int, ...]) -> int:
-    return 0 if 0 in counts else int(np.prod(counts, dtype=np.int64))
 
 
 def _strings(tensors) -> List[str]:
