@@ -24,7 +24,7 @@ class DTensorHandler(Handler):
 
     def save(self, value, key, walk):
         shape, layout, pieces = dtensors.dtensor_pieces(key, value, self.layouts)
-        walk.add_tensor(tensor_entry(key, value, shape, layout, pieces, dtensors.dtensor_grid(value)))
+        walk.add_tensor(tensor_entry(key, value, shape, layout, pieces, dtensors.dtensor_grid(value, self.layouts)))
         return {"tensor": key}
 
     def load(self, value, key, walk, assign):

@@ -57,52 +57,80 @@ def _refusal(key: str, placements: Sequence[Any], bad: Any) -> str:
 
 
 class LayoutCache:
-    """(global shape, mesh shape, coordinate, placements) -> this rank's boxes and local shape, checked
-    against torch's own computation once per layout: every save of an unchanged model describes the
-    same layouts, and the check is most of a DTensor's walk (~0.1 ms each, thousands per save)."""
+    """What a DTensor's walk derives from its layout alone, kept per layout: (global shape, mesh shape,
+    coordinate, placements) -> this rank's boxes and local shape, checked against torch's own
+    computation once per layout; a placements tuple -> its descriptions; a mesh -> its shape and this
+    rank's coordinate. Every save of an unchanged model describes the same layouts, and deriving
+    them again was most of a DTensor's walk (~0.1 ms each, thousands per save)."""
 
     MAX = 1 << 16
 
     def __init__(self) -> None:
         self._boxes: dict = {}
+        self._descs: dict = {}
+        self._meshes: dict = {}   # id(mesh) -> (mesh, its shape, this rank's coordinate)
 
-    def boxes(self, key: str, dt: Any, shape, mesh, coordinate, descs, local: torch.Tensor):
-        k = (shape, tuple(mesh.shape), tuple(int(c) for c in coordinate), tuple(descs))
+    def descs(self, key: str, placements: Sequence[Any]) -> List[pm.PlacementDesc]:
+        try:
+            hit = self._descs.get(placements)
+        except TypeError:  # an unhashable placement type: described (and refused) every time
+            return describe_placements(key, placements)
+        if hit is None:
+            hit = self._descs[placements] = describe_placements(key, placements)
+        return hit
+
+    def mesh(self, mesh: Any) -> Tuple[Tuple[int, ...], Optional[Tuple[int, ...]]]:
+        hit = self._meshes.get(id(mesh))
+        if hit is None or hit[0] is not mesh:  # (the id of a mesh that is gone may be reused)
+            if len(self._meshes) >= self.MAX:
+                self._meshes.clear()
+            coordinate = mesh.get_coordinate()
+            hit = self._meshes[id(mesh)] = (mesh, tuple(int(m) for m in mesh.shape),
+                                            None if coordinate is None else tuple(int(c) for c in coordinate))
+        return hit[1], hit[2]
+
+    def boxes(self, key: str, dt: Any, shape, mesh_shape, coordinate, descs, local: torch.Tensor):
+        k = (shape, mesh_shape, coordinate, tuple(descs))
         hit = self._boxes.get(k)
         if hit is None:
-            runs = pm.local_runs(shape, tuple(mesh.shape), coordinate, descs)
+            runs = pm.local_runs(shape, mesh_shape, coordinate, descs)
             _check_against_torch(key, dt, runs, local)
             if len(self._boxes) >= self.MAX:
                 self._boxes.clear()
             hit = self._boxes[k] = (pm.local_boxes(runs), pm.local_shape(runs))
         elif hit[1] != tuple(local.shape):  # the local tensor is not what this layout gives
-            _check_against_torch(key, dt, pm.local_runs(shape, tuple(mesh.shape), coordinate, descs), local)
+            _check_against_torch(key, dt, pm.local_runs(shape, mesh_shape, coordinate, descs), local)
         return hit[0]
 
 
 def dtensor_pieces(key: str, dt: Any, cache: Optional[LayoutCache] = None) -> Tuple[Tuple[int, ...], str, Pieces]:
-    descs = describe_placements(key, dt.placements)
+    cache = cache or LayoutCache()
+    descs = cache.descs(key, dt.placements)
     shape = tuple(int(s) for s in dt.shape)
     layout = "replicated" if all(d[0] == "replicate" for d in descs) else "sharded"
-    mesh = dt.device_mesh
-    coordinate = mesh.get_coordinate()
+    mesh_shape, coordinate = cache.mesh(dt.device_mesh)
     local = dt.to_local()
     if coordinate is None:  # this rank is not in the DTensor's mesh
         return shape, layout, []
-    boxes = (cache or LayoutCache()).boxes(key, dt, shape, mesh, coordinate, descs, local)
+    boxes = cache.boxes(key, dt, shape, mesh_shape, coordinate, descs, local)
     if len(boxes) == 1:
         return shape, layout, [(boxes[0][0], local)]
     return shape, layout, [(offs, local[tuple(slice(lo, hi) for lo, hi in sl)]) for offs, _, sl in boxes]
 
 
-def dtensor_grid(dt: Any) -> Optional[Tuple[Tuple[int, ...], Tuple[int, ...], Tuple[int, ...]]]:
+def dtensor_grid(dt: Any, cache: Optional[LayoutCache] = None
+                 ) -> Optional[Tuple[Tuple[int, ...], Tuple[int, ...], Tuple[int, ...]]]:
     """(mesh shape, the tensor dim each mesh dim shards or -1, this rank's coordinate) when every
     placement is Shard or Replicate: what the save planner describes once per tensor. None otherwise."""
-    coordinate = dt.device_mesh.get_coordinate()
-    if coordinate is None or any(type(p) not in (Replicate, DShard) for p in dt.placements):
+    cache = cache or LayoutCache()
+    mesh_shape, coordinate = cache.mesh(dt.device_mesh)
+    if coordinate is None:
         return None
-    dims = tuple(p.dim % dt.ndim if isinstance(p, DShard) else -1 for p in dt.placements)
-    return tuple(int(m) for m in dt.device_mesh.shape), dims, tuple(int(c) for c in coordinate)
+    descs = cache.descs("", dt.placements)
+    if any(d[0] not in ("shard", "replicate") for d in descs):
+        return None
+    dims = tuple(d[1] % dt.ndim if d[0] == "shard" else -1 for d in descs)
+    return mesh_shape, dims, coordinate
 
 
 def _check_against_torch(key: str, dt: Any, runs: Sequence[Sequence[pm.Run]], local: torch.Tensor) -> None:

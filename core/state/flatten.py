@@ -162,7 +162,8 @@ def flatten_for_save(state: Any, registry: TypeRegistry, fsdp1_route: str = "fla
                      on_tensor: Optional[Callable[[TensorEntry], None]] = None) -> Flat:
     _check_top(state)
     w = Walker(state, registry, for_load=False, fsdp1_route=fsdp1_route, on_tensor=on_tensor)
-    w.flat.structure = w.save(state, "")
+    with torch.no_grad():  # the walk only reads: no autograd views (DTensor.to_local is then its local tensor)
+        w.flat.structure = w.save(state, "")
     return w.flat
 
 
