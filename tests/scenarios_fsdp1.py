@@ -4,6 +4,7 @@ One save run writes three checkpoints from 2 ranks after 3 AdamW steps: the flat
 use_orig_params=True and False, and the ShardedTensor route (use_orig_params=True). Each load run
 loads all three into one layout (FSDP1 at 3 ranks, FSDP2 at 2, a plain model on 1 process) and
 compares model and optimizer state bit for bit with FSDP's own full state dict of the saving run.
+Each checkpoint holds an LR scheduler too (its per-group lists are saved by parameter name).
 """
 from __future__ import annotations
 
@@ -91,13 +92,20 @@ def build(kind: str, use_orig_params: bool = True, seed: int = 0):
     return model, optim
 
 
-def train(model, optim, steps: int, seed: int):
+def train(model, optim, steps: int, seed: int, sched=None):
     g = torch.Generator().manual_seed(seed)
     for _ in range(steps):
         loss = model(torch.randn(4, 13, generator=g)).pow(2).mean()
         optim.zero_grad()
         loss.backward()
         optim.step()
+        if sched is not None:
+            sched.step()
+
+
+def scheduler(optim):
+    """lr 1e-2, halved every 2 steps: after 3 steps last_epoch 3, lr 5e-3."""
+    return torch.optim.lr_scheduler.StepLR(optim, step_size=2, gamma=0.5)
 
 
 def full_state(model, optim):
@@ -121,10 +129,11 @@ def save_all(root: str):
     rank, _ = rank_world()
     for name, (route, orig) in CASES.items():
         model, optim = build("fsdp1", orig)
-        train(model, optim, 3, seed=rank)
+        sched = scheduler(optim)
+        train(model, optim, 3, seed=rank, sched=sched)
         path = os.path.join(root, name)
         with bcp.Checkpointer(fsdp1_route=route) as ckpt:
-            ckpt.save(path, {"model": model, "optim": optim, "step": 3})
+            ckpt.save(path, {"model": model, "optim": optim, "sched": sched, "step": 3})
         ref = full_state(model, optim)
         # the structure (from rank 0) names every key, also state rank 0 holds none of
         tree = bcp.load_full(path)
@@ -150,27 +159,33 @@ def save_all(root: str):
             assert max(info.info["bytes_per_rank"]) <= 0.6 * logical, info.info["bytes_per_rank"]
     for strategy, orig in (("NO_SHARD", True), ("SHARD_GRAD_OP", False)):
         strategy_roundtrip(os.path.join(root, strategy), strategy, orig)
-    fresh_optimizer_roundtrip(os.path.join(root, "fresh"))
+    for route in ("flat", "sharded_tensor"):
+        fresh_optimizer_roundtrip(os.path.join(root, "fresh_" + route), route)
     refuse_storage_order(os.path.join(root, "refused"))
     print(f"rank {rank}: fsdp1 saves ok")
 
 
-def fresh_optimizer_roundtrip(path: str):
+def fresh_optimizer_roundtrip(path: str, route: str):
     """An optimizer before its first step is saved without state and stays so (a checkpoint must not
-    change training); loading it gives an optimizer without state and the saved hyperparameters."""
+    change training); loading it gives an optimizer without state and the saved hyperparameters.
+    (use_orig_params=True: FSDP's own optimizer state dict refuses a state that names only some of a
+    flat parameter's original parameters.)"""
     torch.manual_seed(0)
     model = fsdp1(Net(), use_orig_params=True)
     optim = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    bcp.save(path, {"model": model, "optim": optim})
+    with bcp.Checkpointer(fsdp1_route=route) as ckpt:
+        ckpt.save(path, {"model": model, "optim": optim, "sched": scheduler(optim)})
     assert not optim.state
     ref = {k: v.full_tensor() if isinstance(v, DTensor) else v.clone()
            for k, v in get_state_dict(model, optim, options=StateDictOptions(full_state_dict=True))[0].items()}
     torch.manual_seed(5)
     model = fsdp1(Net(), use_orig_params=True)
     optim = torch.optim.AdamW(model.parameters(), lr=1.0)
-    train(model, optim, 1, seed=0)
-    bcp.load(path, {"model": model, "optim": optim})
-    assert not optim.state and optim.param_groups[0]["lr"] == 3e-3
+    sched = scheduler(optim)
+    train(model, optim, 1, seed=0, sched=sched)
+    with bcp.Checkpointer(fsdp1_route=route) as ckpt:
+        ckpt.load(path, {"model": model, "optim": optim, "sched": sched})
+    assert not optim.state and optim.param_groups[0]["lr"] == 3e-3 and sched.last_epoch == 0
     got = get_state_dict(model, optim, options=StateDictOptions(full_state_dict=True))[0]
     assert set(got) == set(ref) and all(torch.equal(got[k], ref[k]) for k in ref)
 
@@ -232,14 +247,16 @@ def load_into(root: str, kind: str):
         # FSDP1 targets alternate use_orig_params so that each checkpoint loads into the other flavour
         orig = bool(i % 2)
         model, optim = build(kind, orig, seed=1234)  # different initial values than the saved ones
+        sched = scheduler(optim)
         with bcp.Checkpointer(fsdp1_route=CASES[name][0]) as ckpt:  # FSDP1 targets load through the route that saved
-            state = ckpt.load(os.path.join(root, name), {"model": model, "optim": optim, "step": 0})
+            state = ckpt.load(os.path.join(root, name), {"model": model, "optim": optim, "sched": sched, "step": 0})
         assert state["step"] == 3
+        assert sched.last_epoch == 3 and sched.get_last_lr() == [5e-3], (name, sched.state_dict())
         ref, ref_groups = torch.load(os.path.join(root, name + ".ref.pt"))
         got, groups = full_state(model, optim)
         assert set(got) == set(ref), (name, sorted(set(got) ^ set(ref)))
         for k in ref:
             assert got[k].dtype == ref[k].dtype and torch.equal(got[k], ref[k]), (name, k, got[k], ref[k])
         assert groups == ref_groups, (groups, ref_groups)
-        train(model, optim, 1, seed=99)  # training continues from the loaded state
+        train(model, optim, 1, seed=99, sched=sched)  # training continues from the loaded state
         print(f"rank {rank}: {name} -> {kind} x{world} (use_orig_params={orig}) ok")

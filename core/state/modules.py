@@ -10,7 +10,7 @@ other's checkpoints, and checkpoints saved with `_orig_mod.` still load."""
 from __future__ import annotations
 
 import sys
-from typing import Any, Dict, Iterable, Mapping, Optional, Set, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Set, Tuple
 
 import torch
 from torch import nn
@@ -166,6 +166,15 @@ class OptimizerHandler(Handler):
         if fsdp1.holds_fsdp1(model):
             return optimizer_form.save(optimizers.named_optimizer_state(model, value), key, walk)
         return optimizer_form.save(self.names.state_dict(model, value), key, walk)
+
+    def group_names(self, optim: torch.optim.Optimizer, model: nn.Module, walk) -> List[List[str]]:
+        """Each param group's parameter names, as `save` names the optimizer's state (`model` from
+        `owner`); no side effects. The FSDP1 flat route names them from FSDP's bookkeeping, as
+        fsdp1.save_optimizer does (no optimizer state dict of FSDP's, no collective)."""
+        if fsdp1.uses_flat_route(model, walk.fsdp1_route):
+            return fsdp1.layout_fqns(optim, model, fsdp1.flat_layout(model))
+        osd = self.names.state_dict(model, optim, with_state=False)  # DCP's names, cached per optimizer
+        return [list(g.get("params", [])) for g in osd.get("param_groups", [])]
 
     def owner(self, optim: torch.optim.Optimizer, walk) -> Optional[nn.Module]:
         """The module whose names name `optim`'s parameters: the one module in the state that owns

@@ -15,14 +15,16 @@ from .flatten import find_subtree, join
 def named_optimizer_state(model: nn.Module, optim: torch.optim.Optimizer, with_state: bool = True) -> Dict:
     """torch's parameter-name-keyed optimizer state dict, without side effects. For an optimizer
     with no state yet torch would run a zero-lr step() to create it (a checkpoint must never change
-    training): a lone empty placeholder entry makes it skip that, and the state is put back."""
+    training): empty placeholder entries make it skip that, and the state is put back. Every
+    parameter gets one: FSDP1 with use_orig_params=True refuses a state that holds some of a flat
+    parameter's original parameters and not others ("... is not in the optimizer state")."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-    first = next((p for g in optim.param_groups for p in g["params"]), None)
-    if (with_state and optim.state) or first is None:
+    params = [p for g in optim.param_groups for p in g["params"]]
+    if (with_state and optim.state) or not params:
         return get_optimizer_state_dict(model, optim)
     kept = dict(optim.state)
     optim.state.clear()
-    optim.state[first] = {}
+    optim.state.update((p, {}) for p in params)
     try:
         osd = get_optimizer_state_dict(model, optim)
     finally:

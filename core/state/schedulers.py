@@ -35,9 +35,7 @@ class SchedulerHandler(Handler):
         model = self.optimizers.owner(optim, walk) if optim is not None else None
         if model is None:
             return None
-        # the names the optimizer is saved under (DCP's, without wrapper prefixes), cached per optimizer
-        osd = self.optimizers.names.state_dict(model, optim, with_state=False)
-        groups = [list(g.get("params", [])) for g in osd.get("param_groups", [])]
+        groups = self.optimizers.group_names(optim, model, walk)  # the names the optimizer is saved under
         ok = len(groups) == len(optim.param_groups) and all(isinstance(n, str) for g in groups for n in g)
         return groups if ok else None
 
