@@ -301,11 +301,9 @@ def load_targets(world: int, tensors: int, layout: str, resharded: bool):
 
 def objects_per_save(plan, with_table: bool) -> int:
     """Objects a (sync) save of this plan writes in format 5: each rank's pack files (storage/packs.py:
-    one per 64 MiB, at most 4) and its plain-values file, then metadata.json (+ the table file)."""
-    import math
+    one per 64 MiB, at most 4 until a pack would pass 1 GiB) and its plain-values file, then metadata.json (+ the table file)."""
     from bytecheckpoint.storage import packs
-    per_rank = [0 if b == 0 else max(1, min(packs.MAX_PACKS, math.ceil(b / packs.PACK_TARGET_BYTES)))
-                for b in plan.bytes_per_rank]
+    per_rank = [0 if b == 0 else packs.pack_count(b, b) for b in plan.bytes_per_rank]
     return sum(per_rank) + len(per_rank) + 1 + int(with_table)
 
 

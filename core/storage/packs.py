@@ -1,6 +1,7 @@
 """Pack files (format 5): a rank's chunks written into a few files, not one file per chunk.
 
-A rank's chunks are dealt into K pack files (K grows with its bytes, at most MAX_PACKS), largest
+A rank's chunks are dealt into K pack files (K grows with its bytes up to MAX_PACKS, then past it
+only as far as keeps every pack near PACK_MAX_BYTES), largest
 first to the lightest pack (balanced), then laid out in each pack in the order the rank wrote
 them, each at a 64-byte aligned offset. The layout is a pure function of the chunk sizes, so a
 local-tier replica of a rank's part, written from the same plan by another rank, has the same
@@ -25,6 +26,9 @@ from ..format.safetensors_header import STEntry, file_order, header_bytes
 ALIGN = 64
 MAX_PACKS = 4                      # per rank: files (objects) written in parallel
 PACK_TARGET_BYTES = 64 << 20       # a rank with less than this writes one pack
+# A rank with more than MAX_PACKS x this writes more packs: one S3 PUT takes at most 5 GiB (AWS refuses
+# larger: EntityTooLarge), and an object-store write holds its pack joined in memory once.
+PACK_MAX_BYTES = 1 << 30
 _ZEROS = memoryview(bytes(ALIGN))
 
 
@@ -40,8 +44,7 @@ def pack_key(data_dir: str, rank: int, k: int) -> str:
 
 def layout(sizes: Sequence[int]) -> Tuple[int, List[Slot]]:
     """(number of packs, where each chunk goes), from the chunk sizes alone (deterministic)."""
-    total = sum(sizes)
-    n = max(1, min(MAX_PACKS, len(sizes), math.ceil(total / PACK_TARGET_BYTES)))
+    n = pack_count(sum(sizes), len(sizes))
     load = [0] * n
     chosen = [0] * len(sizes)
     for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
@@ -55,6 +58,12 @@ def layout(sizes: Sequence[int]) -> Tuple[int, List[Slot]]:
         slots.append(Slot(k, ends[k]))
         ends[k] += -(-size // ALIGN) * ALIGN
     return n, slots
+
+
+def pack_count(total: int, chunks: int) -> int:
+    """How many packs a rank with `chunks` chunks of `total` bytes writes."""
+    wanted = max(min(MAX_PACKS, math.ceil(total / PACK_TARGET_BYTES)), math.ceil(total / PACK_MAX_BYTES))
+    return max(1, min(chunks, wanted))
 
 
 Item = Tuple[str, str, np.ndarray]  # (array path, chunk name, payload)
