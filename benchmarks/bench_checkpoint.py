@@ -5,7 +5,8 @@
 An LLM-like state (4096-wide fp32 matrices + norms, params and two Adam moments) sharded over
 2 gloo ranks (FSDP-style, dim 0). Peers are interleaved inside every repetition; medians. Then
 loads of the W=2 checkpoints at W=1 and W=3, of W=4 checkpoints at W=3, and a replicated (DDP)
-state at W=2 with zero-redundancy by policy, forced on and forced off. Prints FIGURE lines
+state at W=2 with zero-redundancy by policy, forced on and forced off. Every load reads cold (the
+page cache dropped before it, every peer; BCP_BENCH_WARM_LOADS=1: as found). Prints FIGURE lines
 (benchmarks/figures.py) with targets, and writes benchmarks/out/checkpoint.json.
 """
 from __future__ import annotations
@@ -81,11 +82,12 @@ def main(argv=None) -> int:
         figure(f"async stall part: {label}", med([p[label] for p in parts]), r["memcpy"],
                peer_name="memcpy of the rank's share")
     figure("async save, end to end", r["bcp_async_total"], r["dcp_async_total"], peer_name="dcp.async_save")
-    figure("load, same layout (2 -> 2)", r["bcp_load"], r["dcp_load"], "<= 0.6", peer_name="dcp.load")
+    cold = "cold: page cache dropped before each load, both" if os.environ.get("BCP_BENCH_WARM_LOADS") != "1" else ""
+    figure("load, same layout (2 -> 2)", r["bcp_load"], r["dcp_load"], "<= 0.6", peer_name="dcp.load", note=cold)
     targets = {"2 -> 1": "<= 0.5", "2 -> 3": "<= 0.8", "4 -> 3": "<= 0.8"}
     for name, res in reshard.items():
         rr = {k: med(v) for k, v in res["results"].items()}
-        figure(f"resharded load {name}", rr["bcp_load"], rr["dcp_load"], targets[name], peer_name="dcp.load")
+        figure(f"resharded load {name}", rr["bcp_load"], rr["dcp_load"], targets[name], peer_name="dcp.load", note=cold)
     rr = {k: med(v) for k, v in rep["results"].items()}
     figure("replicated (DDP) load, 2 ranks", rr["bcp_auto"], rr["dcp"], "<= 0.8",
            peer_name="dcp.load", note="zero_redundancy='auto' (off: one host, local files)")

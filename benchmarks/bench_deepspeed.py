@@ -8,7 +8,8 @@ Model: the Llama-shaped model of bench_real_model.py (--blocks blocks; 8 blocks:
   save       bcp.save(path, {"engine": engine}) (sync; fsyncs)  vs  engine.save_checkpoint (torch.save
              per rank, no fsync)
   stall      bcp async save: time until save() returns  vs  engine.save_checkpoint
-  load       same world: bcp.load  vs  engine.load_checkpoint
+  load       same world: bcp.load  vs  engine.load_checkpoint, each cold (page cache dropped first;
+             BCP_BENCH_WARM_LOADS=1: as found)
   resume 1   one process: bcp.load into a 1-process engine  vs  DeepSpeed's way to change the world
              size: ds_to_universal (offline conversion, timed) + load_checkpoint with load_universal
   objects    files one save writes
@@ -32,8 +33,10 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_real_model import Llama  # noqa: E402
+from bench_real_model import Llama, cold_start  # noqa: E402
 from figures import figure  # noqa: E402
+
+COLD_NOTE = "cold: page cache dropped before each load, both" if os.environ.get("BCP_BENCH_WARM_LOADS") != "1" else ""
 
 
 def _engine(stage: int, blocks: int, universal: bool = False):
@@ -88,7 +91,9 @@ def two_ranks(rank: int, world: int, port: int, root: str, stage: int, blocks: i
         out["ds_save"].append(_timed(lambda: engine.save_checkpoint(dp, tag="t")))
         out["bcp_stall"].append(_timed(lambda: async_ckpt.save(ap, {"engine": engine})))
         async_ckpt.wait()
+        cold_start()  # each load reads cold, as a resume in a new process does
         out["bcp_load"].append(_timed(lambda: sync_ckpt.load(bp, {"engine": engine})))
+        cold_start()
         out["ds_load"].append(_timed(lambda: engine.load_checkpoint(dp, tag="t")))
         if rank == 0:
             out["bcp_files"].append(_count(bp))
@@ -164,7 +169,7 @@ def main() -> None:
             figure(f"{z}: async save stall vs engine.save_checkpoint", med["bcp_stall"], med["ds_save"], "<= 0.2",
                    peer_name="DeepSpeed save_checkpoint")
             figure(f"{z}: same-world load vs engine.load_checkpoint", med["bcp_load"], med["ds_load"], "<= 0.8",
-                   peer_name="DeepSpeed load_checkpoint")
+                   peer_name="DeepSpeed load_checkpoint", note=COLD_NOTE)
             figure(f"{z}: resume on 1 process vs ds_to_universal + load_universal", one["bcp_resume"],
                    convert_s + one["ds_universal_load"], "<= 0.2",
                    peer_name="ds_to_universal (conversion) + universal load")

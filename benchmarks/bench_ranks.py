@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import bytecheckpoint as bcp
+from bench_real_model import cold_start  # noqa: E402 - loads read cold (BCP_BENCH_WARM_LOADS=1: as found)
 
 
 def rank_world():
@@ -124,12 +125,15 @@ def check_equal(a, b):
 
 
 def time_loads(state, bcp_path: str, dcp_path: str, results: Dict[str, List[float]], ckpt=None) -> None:
-    """Load the bcp and dcp checkpoints into zeroed copies of `state`, timed and checked."""
+    """Load the bcp and dcp checkpoints into zeroed copies of `state`, timed and checked; each load
+    cold (cold_start), as a resume in a new process reads them."""
     ckpt = ckpt or bcp
     tgt = zeros_like_state(state)
+    cold_start()
     results["bcp_load"].append(timed(lambda: ckpt.load(bcp_path, tgt)))
     check_equal(state, tgt)
     tgt = zeros_like_state(state)
+    cold_start()
     results["dcp_load"].append(timed(lambda: dcp.load(tgt, checkpoint_id=dcp_path)))
     check_equal(state, tgt)
 
@@ -271,7 +275,7 @@ def replicated_load(root: str, mib: int, reps: int = 2):
         for name, fn in [(f"bcp_{k}", (lambda e: lambda t: e.load(pb, t))(e)) for k, e in engines.items()] + [
                 ("dcp", lambda t: dcp.load(t, checkpoint_id=pd))]:
             tgt = zeros_like_state(state)
-            barrier()
+            cold_start()
             before = rchar()
             results.setdefault(name, []).append(timed(lambda: fn(tgt)))
             read[name] = sum_over_ranks(rchar() - before)
