@@ -15,6 +15,7 @@ import logging
 import os
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Dict, Literal, Optional
 
@@ -75,6 +76,7 @@ class ByteCheckpointManager(WarmUpMixin, BaseCheckpointManager):
                  checkpointer: Optional[bcp.Checkpointer] = None) -> None:
         self.enable = config.enable
         self.save_future = None
+        self._purger: Optional[ThreadPoolExecutor] = None  # rank 0's retention thread, made on first use
         if not self.enable:
             return
         self.config = config
@@ -173,10 +175,21 @@ class ByteCheckpointManager(WarmUpMixin, BaseCheckpointManager):
 
     def _purge_stale_checkpoints(self) -> None:
         """keep_latest_k: the newest k committed checkpoints stay; one still being written is not
-        committed, so it is never counted or deleted."""
+        committed, so it is never counted or deleted. Rank 0 deletes on a thread of its own, off the
+        training loop, as torchtitan's manager does (its purge thread); a failed deletion is logged and
+        the next save's retention tries again. close() waits for it."""
         k = self.config.keep_latest_k
         if k > 0 and (not dist.is_initialized() or dist.get_rank() == 0):
+            if self._purger is None:
+                self._purger = ThreadPoolExecutor(1, thread_name_prefix="bcp-torchtitan-purge")
+            self._purger.submit(self._purge, k)
+
+    def _purge(self, k: int) -> None:
+        try:
             self._ckpt.keep_last(self.folder, k, process_group=bcp.LOCAL)
+        except Exception as exc:  # noqa: BLE001 - a deletion that failed must not stop training
+            log.warning("bytecheckpoint: deleting checkpoints beyond keep_latest_k=%d in %s failed: %s; the next "
+                        "save tries again", k, self.folder, exc)
 
     def _maybe_wait_for_staging(self) -> None:
         """Nothing to wait for: with async staging bytecheckpoint's fence holds the optimizer step
@@ -209,6 +222,9 @@ class ByteCheckpointManager(WarmUpMixin, BaseCheckpointManager):
         try:
             self._wait_for_saving()
         finally:
+            if self._purger is not None:
+                self._purger.shutdown(wait=True)
+                self._purger = None
             if self._owns:
                 self._ckpt.close()
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import threading
 
 import pytest
 
@@ -99,6 +100,8 @@ def test_manager_saves_and_resumes_with_torchtitan_classes(tmp_path, data_dir, m
     assert manager.save_future is None
     manager.close()
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["step-4", "step-6"]  # keep_latest_k=2
+    # retention ran on rank 0's purge thread (off the loop, as torchtitan's); close() joined it
+    assert not [t for t in threading.enumerate() if t.name.startswith("bcp-torchtitan-purge")]
     # a torn newer save is skipped (no commit point), the newest committed one is loaded
     os.makedirs(tmp_path / "ckpt" / "step-8" / "data")
 
