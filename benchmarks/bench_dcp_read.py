@@ -203,7 +203,7 @@ def main() -> None:
     for name, r in rows.items():
         ratio = r["bcp"] / r["dcp"]
         print(f"{name:28s} {r['bcp']:8.3f} {r['dcp']:10.3f} {ratio:8.2f}x")
-        figure(f"DCP checkpoint load {name}", r["bcp"], r["dcp"], "<= 0.7x", peer_name="dcp.load")
+        figure(f"DCP checkpoint load {name}", r["bcp"], r["dcp"], "<= 0.7", peer_name="dcp.load")
 
 
 if __name__ == "__main__":

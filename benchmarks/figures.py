@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 PREFIX = "FIGURE "
 
@@ -48,8 +48,14 @@ def parse(text: str) -> List[Dict[str, Any]]:
 
 def met(row: Dict[str, Any]) -> Optional[bool]:
     """True/False against the target, None for a figure without one (or without a ratio)."""
-    m = re.fullmatch(r"\s*(<=|>=)\s*([0-9.]+)\s*", row.get("target") or "")
-    if not m or row.get("ratio") is None:
+    bound = target_bound(row.get("target") or "")
+    if bound is None or row.get("ratio") is None:
         return None
-    limit = float(m.group(2))
-    return row["ratio"] <= limit if m.group(1) == "<=" else row["ratio"] >= limit
+    op, limit = bound
+    return row["ratio"] <= limit if op == "<=" else row["ratio"] >= limit
+
+
+def target_bound(target: str) -> Optional[Tuple[str, float]]:
+    """("<=" or ">=", limit) of a target such as "<= 0.8" (or "<= 0.8x"); None if it is not one."""
+    m = re.fullmatch(r"\s*(<=|>=)\s*([0-9.]+)\s*x?\s*", target)
+    return (m.group(1), float(m.group(2))) if m else None

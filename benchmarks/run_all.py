@@ -30,7 +30,7 @@ from typing import Any, Dict, List
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from figures import met, parse  # noqa: E402
+from figures import met, parse, target_bound  # noqa: E402
 
 OUT = os.path.join(HERE, "out")
 RESULTS = os.path.join(ROOT, "docs", "results.md")
@@ -161,9 +161,9 @@ def draw(runs: Dict[str, Any]) -> None:
         color = "#4c72b0" if ok is None else ("#55a868" if ok else "#c44e52")
         ax.barh(y, f["ratio"], color=color, height=0.6)
         ax.text(f["ratio"], y, f" {f['ratio']:.2f}", va="center", fontsize=7)
-        if f["target"]:
-            limit = float(f["target"].split()[-1])
-            ax.plot([limit, limit], [y - 0.4, y + 0.4], color="black", linewidth=2)
+        bound = target_bound(f["target"] or "")
+        if bound is not None:
+            ax.plot([bound[1], bound[1]], [y - 0.4, y + 0.4], color="black", linewidth=2)
     ax.axvline(1.0, color="grey", linewidth=0.8, linestyle=":")
     ax.set_yticks(ys)
     ax.set_yticklabels([f"{f['figure']} vs {f['peer_name'] or 'peer'}"[:70] for f in rows], fontsize=7)
