@@ -93,8 +93,10 @@ def main(argv=None) -> int:
            ">= 0.9", unit="MiB/s", peer_name=floor)
     figure("object store, real-model shapes, 2 ranks: load", real_mib / rm["bcp_load"], real_mib / rm["raw_get"],
            ">= 0.9", unit="MiB/s", peer_name=floor)
-    figure("object store, real-model shapes, 2 ranks: objects (PUTs) per save", rm["objects"], 2 * 4 + 4, "<= 1",
-           unit="objects", peer_name="ranks x io_threads + 4")
+    from bytecheckpoint.storage.packs import OBJECTS
+    figure("object store, real-model shapes, 2 ranks: objects (PUTs) per save", rm["objects"],
+           2 * OBJECTS.max_packs + 4, "<= 1", unit="objects",
+           peer_name=f"ranks x {OBJECTS.max_packs} packs (the PUTs in flight) + 4")
     os.makedirs(os.path.dirname(args.json), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump({"main": main_run, "replicated": rep, "real_model": real}, f, indent=1)

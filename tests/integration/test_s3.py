@@ -144,6 +144,28 @@ def test_single_process_roundtrip_and_async(seaweed, bucket):
     assert len(data_dirs) == 1
 
 
+def test_packs_are_the_parallel_puts(seaweed, bucket, monkeypatch):
+    """Object stores write smaller packs, several PUTs at once (packs.OBJECTS); past max_packs the
+    packs grow only to max_bytes. Sync and async saves load back and verify; no PUT thread is left."""
+    import json
+    import threading
+    from bytecheckpoint.storage import packs
+    monkeypatch.setattr(packs, "OBJECTS", packs.Sizing(1 << 20, 6, 2 << 20))  # 16 MiB -> 8 packs, 6 in flight
+    opts = seaweed.storage_options
+    torch.manual_seed(0)
+    state = {f"w{i}": torch.randn(512, 512) for i in range(16)}   # 16 x 1 MiB
+    for mode in ("sync", "async"):
+        url = f"s3://{bucket}/{mode}"
+        bcp.save(url, state, async_save=mode == "async", storage_options=opts).wait()
+        body = json.loads(_store(url, opts).get("metadata.json"))
+        assert len(body["packs"]) == 8, body["packs"]
+        out = {k: torch.zeros_like(v) for k, v in state.items()}
+        bcp.load(url, out, storage_options=opts)
+        assert all(torch.equal(out[k], state[k]) for k in state)
+        assert bcp.verify(url, storage_options=opts).ok
+    assert not [t for t in threading.enumerate() if t.name.startswith("bytecheckpoint-put")]
+
+
 # ---------------------------------------------------------------------- commit point
 def test_commit_is_the_metadata_object_not_a_listing(seaweed, bucket):
     """Every data object of a checkpoint, without metadata.json, is not a checkpoint."""
