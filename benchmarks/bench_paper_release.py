@@ -182,7 +182,7 @@ def print_table(rows: List[Dict[str, object]]) -> None:
 
 def state_size_note(size: Dict[str, int]) -> str:
     with torch.device("meta"):
-        model = Llama(size["blocks"], size["vocab"])
+        model = Llama(size["blocks"], vocab=size["vocab"])
     params = sum(p.numel() for p in model.parameters())
     return f"{size['blocks']} blocks, {params / 1e6:.1f} M params, {params * 4 / 2 ** 20:.0f} MiB + AdamW"
 
