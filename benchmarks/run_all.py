@@ -199,9 +199,13 @@ def main(argv=None) -> int:
         with open(store, "w") as f:
             json.dump(runs, f, indent=1)
     for name in ([] if args.ingest else scripts(args.names)):
-        runs[name] = run(name, args.quick)
-        if runs[name]["exit"]:
+        result = run(name, args.quick)
+        if result["exit"]:
             failed.append(name)
+        if result["figures"] or not runs.get(name, {}).get("ingested"):
+            runs[name] = result
+        else:  # e.g. bench_gpu without a GPU: the figures ingested from a GPU run's log stay
+            print(f"({name}: no figures this run; keeping those from {runs[name]['ingested']})")
         with open(store, "w") as f:
             json.dump(runs, f, indent=1)
     runs = {k: v for k, v in runs.items() if os.path.exists(os.path.join(HERE, k + ".py"))}
