@@ -66,11 +66,14 @@ def test_stock_zero_folder_loads_on_one_plain_process_and_fsdp2(tmp_path, stage)
 
 
 @pytest.mark.timeout(900)
-def test_stock_zero2_folder_resumes_deepspeed_engines_of_other_sizes_and_stages(tmp_path):
+@pytest.mark.parametrize("legs", [pytest.param(((2, 2),), id="zero2-on-2"),
+                                  pytest.param(((3, 3), (1, 1)), id="zero3-on-3-zero1-on-1", marks=pytest.mark.slow)])
+def test_stock_zero2_folder_resumes_deepspeed_engines_of_other_sizes_and_stages(tmp_path, legs):
     """Into DeepSpeed itself: ZeRO-2 on 2 -> ZeRO-2 on 2 (next step equal to DeepSpeed's own resume),
-    ZeRO-3 on 3 and ZeRO-1 on 1 (DeepSpeed's own loader needs the saved world size)."""
+    ZeRO-3 on 3 and ZeRO-1 on 1 (DeepSpeed's own loader needs the saved world size). make test: the
+    first (the other sizes and stages of a stock folder: test_stock_folder_into_another_engine)."""
     ds_dir, oracle = _save(tmp_path, 2)
-    for world, stage in ((2, 2), (3, 3), (1, 1)):
+    for world, stage in legs:
         outs = run_ranks("scenarios_deepspeed_stock:stock_into_engine", world,
                          {"ds_dir": ds_dir, "oracle": oracle, "stage": stage}, timeout=240, extra_env=ENV)
         assert all("INTO ENGINE ok" in o for o in outs), (world, stage)
