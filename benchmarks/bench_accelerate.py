@@ -198,6 +198,8 @@ def table(result: dict) -> str:
 
 
 def print_figures(result: dict) -> None:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_real_model import cold_note
     """FIGURE lines for benchmarks/run_all.py (benchmarks/figures.py)."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from figures import figure
@@ -205,10 +207,8 @@ def print_figures(result: dict) -> None:
     med = result["median_s"]
     what = f"Accelerate DDP {result['nproc']} procs, {result['params'] / 1e6:.0f}M params + AdamW"
     default = "Accelerate's default save_state/load_state"
-    cold = "cold: page cache dropped before each load, every configuration" \
-        if os.environ.get("BCP_BENCH_WARM_LOADS") != "1" else "as found right after the save"
     figure(f"{what}: load_state", med["bcp sync"]["load"], med["default"]["load"], "<= 0.8", peer_name=default,
-           note=cold)
+           note=cold_note("as found right after the save"))
     figure(f"{what}: sync save_state", med["bcp sync"]["save"], med["default"]["save"], "<= 1.3",
            peer_name=default + " (no fsync; bcp fsyncs)")
     figure(f"{what}: sync save_state", med["bcp sync"]["save"], med["raw fsync"]["save"], peer_name=(

@@ -21,6 +21,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 sys.path.insert(0, HERE)
+from bench_real_model import cold_note  # noqa: E402
 from figures import figure  # noqa: E402
 from launcher import run_ranks  # noqa: E402
 
@@ -82,7 +83,7 @@ def main(argv=None) -> int:
         figure(f"async stall part: {label}", med([p[label] for p in parts]), r["memcpy"],
                peer_name="memcpy of the rank's share")
     figure("async save, end to end", r["bcp_async_total"], r["dcp_async_total"], peer_name="dcp.async_save")
-    cold = "cold: page cache dropped before each load, both" if os.environ.get("BCP_BENCH_WARM_LOADS") != "1" else ""
+    cold = cold_note()
     figure("load, same layout (2 -> 2)", r["bcp_load"], r["dcp_load"], "<= 0.6", peer_name="dcp.load", note=cold)
     targets = {"2 -> 1": "<= 0.5", "2 -> 3": "<= 0.8", "4 -> 3": "<= 0.8"}
     for name, res in reshard.items():

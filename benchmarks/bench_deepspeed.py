@@ -33,10 +33,8 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_real_model import Llama, cold_start  # noqa: E402
+from bench_real_model import Llama, cold_note, cold_start  # noqa: E402
 from figures import figure  # noqa: E402
-
-COLD_NOTE = "cold: page cache dropped before each load, both" if os.environ.get("BCP_BENCH_WARM_LOADS") != "1" else ""
 
 
 def _engine(stage: int, blocks: int, universal: bool = False):
@@ -169,7 +167,7 @@ def main() -> None:
             figure(f"{z}: async save stall vs engine.save_checkpoint", med["bcp_stall"], med["ds_save"], "<= 0.2",
                    peer_name="DeepSpeed save_checkpoint")
             figure(f"{z}: same-world load vs engine.load_checkpoint", med["bcp_load"], med["ds_load"], "<= 0.8",
-                   peer_name="DeepSpeed load_checkpoint", note=COLD_NOTE)
+                   peer_name="DeepSpeed load_checkpoint", note=cold_note())
             figure(f"{z}: resume on 1 process vs ds_to_universal + load_universal", one["bcp_resume"],
                    convert_s + one["ds_universal_load"], "<= 0.2",
                    peer_name="ds_to_universal (conversion) + universal load")

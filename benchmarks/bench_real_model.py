@@ -130,6 +130,11 @@ def drop_page_cache() -> bool:
 COLD = {"loads": os.environ.get("BCP_BENCH_WARM_LOADS") != "1"}
 
 
+def cold_note(warm: str = "") -> str:
+    """A figure's note on how its loads read: cold (cold_start before each, every peer) or `warm`."""
+    return "cold: page cache dropped before each load, every peer" if COLD["loads"] else warm
+
+
 def cold_start() -> None:
     """Before a timed load: the page cache dropped (by rank 0 for the machine), every rank after it."""
     if COLD["loads"] and (not dist.is_initialized() or dist.get_rank() == 0):
